@@ -1,0 +1,110 @@
+"""Checkpoints: every rank saves its share with torch.distributed.checkpoint (DCP), so state written at W workers
+loads at any W' (DCP reshards on load), for DDP and FSDP2 alike.
+
+Layout of one checkpoint directory (Ray merges the per-rank directories into it):
+    .metadata, __<rank>_0.distcp   model and optimizer state (DCP)
+    optimizer_zero1.pt             zero1 only: the optimizer state consolidated on rank 0 (torch.save)
+    raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR
+
+Saving is a collective: every rank must call `save_checkpoint` (DCP plans the write together; zero1 consolidates
+the optimizer on rank 0). Loading uses `weights_only=True` for the one torch file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+STATE_FILE = "raytrain_state.json"
+ZERO1_OPTIMIZER_FILE = "optimizer_zero1.pt"
+
+
+@dataclass
+class TrainState:
+    """Where training stands after `step` completed optimizer steps; the JSON part of a checkpoint.
+
+    `epoch` and `step_in_epoch` are the data position of the NEXT step to run.
+    """
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+    samples_seen: int = 0
+    world_size: int = 0
+    global_batch: int = 0
+    plan: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int) -> str:
+    """Write this rank's share of the checkpoint into a fresh directory and return it; all ranks must call.
+
+    The directory is new (`tempfile.mkdtemp`) so it can outlive the call while Ray uploads it.
+    """
+    directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+    zero1 = _is_zero_optimizer(optimizer)
+    sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if zero1:
+        optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]  # collective
+        if rank == 0:
+            torch.save(optimizer.state_dict(), os.path.join(directory, ZERO1_OPTIMIZER_FILE))
+    else:
+        sharded["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.save(sharded, checkpoint_id=directory)
+    if rank == 0:
+        with open(os.path.join(directory, STATE_FILE), "w") as f:
+            json.dump(asdict(state), f)
+    return directory
+
+
+def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Load model and optimizer state from `directory` into the (already wrapped) model; all ranks must call.
+
+    Works at any world size: DCP reshards. Model and optimizer are set one after the other (setting both at
+    once with a broadcast hangs at W >= 2, see ../shared/notes).
+    """
+    zero1 = _is_zero_optimizer(optimizer)
+    zero1_file = os.path.join(directory, ZERO1_OPTIMIZER_FILE)
+    sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if not os.path.exists(zero1_file):
+        sharded["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(sharded, checkpoint_id=directory)
+    set_model_state_dict(model, sharded["model"])
+    if "optim" in sharded and not zero1:
+        set_optimizer_state_dict(model, optimizer, sharded["optim"])
+    elif os.path.exists(zero1_file):
+        full = torch.load(zero1_file, weights_only=True, map_location="cpu")
+        optimizer.load_state_dict(full)
+    else:
+        raise ValueError(
+            f"checkpoint {directory} holds a sharded optimizer state but the run uses zero1; "
+            "resume with the strategy the checkpoint was written with"
+        )
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        return TrainState(**json.load(f))
+
+
+def barrier() -> None:
+    """A process-group barrier when one exists (no-op at world size 1)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

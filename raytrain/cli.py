@@ -1,0 +1,151 @@
+"""The `raytrain` command line.
+
+    raytrain plan --global-batch 1024 --micro-batch 16 --workers 1:12
+    raytrain plan --params 7.5e9 --gpus 64 --gpu-memory-gb 80 --gpus-per-node 8 --json
+
+Every bad input ends with one line `raytrain: error: ...` and exit code 2 (a traceback only with --verbose).
+Subcommands import what they need when they run, so `raytrain --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from raytrain.errors import ConfigError
+
+EXIT_USAGE = 2
+
+
+def _count(text: str) -> int:
+    """Parse a count such as ``7.5e9``, ``125M``, ``1.3B`` or ``1024``."""
+    suffixes = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    scale = suffixes.get(text[-1:].upper(), 1.0)
+    number = text[:-1] if scale != 1.0 else text
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count like 1024, 7.5e9 or 125M, got {text!r}") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a whole count, got {text!r}")
+    return int(value)
+
+
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="print the batch plan per world size and the memory table",
+        description="Print how a fixed global batch splits over every world size in a range, and/or the "
+        "per-device model-state memory of DDP and ZeRO-1/2/3 with a strategy recommendation.",
+        epilog="examples:\n"
+        "  raytrain plan --global-batch 1024 --micro-batch 16 --workers 1:12\n"
+        "  raytrain plan --params 7.5e9 --gpus 64 --gpu-memory-gb 80 --gpus-per-node 8\n"
+        "  raytrain plan --global-batch 96 --micro-batch 32 --workers 2:4 --params 125M --gpus 4 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    batch = p.add_argument_group("batch plan")
+    batch.add_argument("--global-batch", type=int, help="effective batch B per optimizer step (fixed)")
+    batch.add_argument("--micro-batch", type=int, help="most samples one worker processes per micro-step")
+    batch.add_argument("--workers", default=None, help="world sizes to plan for: N or MIN:MAX")
+    mem = p.add_argument_group("memory plan")
+    mem.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 125M")
+    mem.add_argument("--gpus", type=int, help="data-parallel devices N")
+    mem.add_argument("--gpu-memory-gb", type=float, help="memory per device in GB (1e9 bytes)")
+    mem.add_argument("--gpus-per-node", type=int, help="devices per node (TP stays inside a node)")
+    mem.add_argument(
+        "--optimizer",
+        default="mixed_adam",
+        choices=["mixed_adam", "adam", "sgd_momentum", "sgd"],
+        help="state accounting: mixed_adam = ZeRO paper (2+2+12 bytes/param); default %(default)s",
+    )
+    mem.add_argument("--reserve", type=float, default=0.2, help="fraction of memory kept for activations etc.")
+    mem.add_argument("--largest-layer-params", type=_count, default=0, help="params of the largest layer")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(run=_run_plan)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from raytrain.batch_plan import parse_worker_range, plan_batch
+
+    want_batch = any(v is not None for v in (args.global_batch, args.micro_batch, args.workers))
+    want_memory = any(v is not None for v in (args.params, args.gpus, args.gpu_memory_gb))
+    if not want_batch and not want_memory:
+        raise ConfigError(
+            "plan needs --global-batch/--micro-batch/--workers (batch plan) or --params/--gpus (memory plan)"
+        )
+    out: dict[str, object] = {}
+    lines: list[str] = []
+    if want_batch:
+        for flag, value in (("--global-batch", args.global_batch), ("--micro-batch", args.micro_batch)):
+            if value is None:
+                raise ConfigError(f"{flag} is required for the batch plan")
+        low, high = parse_worker_range(args.workers or "1")
+        plans = [plan_batch(args.global_batch, args.micro_batch, w) for w in range(low, high + 1)]
+        out["batch"] = [plan.to_dict() for plan in plans]
+        lines.append(f"{'W':>4} {'k':>5} {'max micro':>9} {'global':>7}  samples per rank")
+        for plan in plans:
+            samples = " ".join(str(n) for n in plan.per_rank_samples)
+            lines.append(
+                f"{plan.world_size:>4} {plan.accumulation_steps:>5} {plan.max_micro_batch:>9} "
+                f"{sum(plan.per_rank_samples):>7}  {samples}"
+            )
+    if want_memory:
+        from raytrain.memory_plan import format_memory_table, plan_memory
+
+        for flag, value in (("--params", args.params), ("--gpus", args.gpus)):
+            if value is None:
+                raise ConfigError(f"{flag} is required for the memory plan")
+        if args.gpu_memory_gb is not None and not args.gpu_memory_gb > 0:
+            raise ConfigError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
+        memory = plan_memory(
+            args.params,
+            args.gpus,
+            optimizer=args.optimizer,
+            gpu_memory_bytes=None if args.gpu_memory_gb is None else int(args.gpu_memory_gb * 1e9),
+            gpus_per_node=args.gpus_per_node,
+            reserve_fraction=args.reserve,
+            largest_layer_params=args.largest_layer_params,
+        )
+        out["memory"] = dict(memory.bytes_per_device)
+        if memory.recommendation:
+            out["recommendation"] = memory.recommendation
+        if lines:
+            lines.append("")
+        lines.append(format_memory_table(memory))
+    print(json.dumps(out) if args.json else "\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `raytrain` argument parser with all subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="raytrain",
+        description="Elastic distributed PyTorch training on Ray: the effective batch, LR and sample order "
+        "stay the same when workers join or leave.",
+    )
+    parser.add_argument("--verbose", action="store_true", help="show tracebacks for errors")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_plan_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `raytrain` console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.run(args))
+    except ConfigError as err:
+        if args.verbose:
+            raise
+        print(f"raytrain: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""The data path: stable sample ids, one order per (seed, epoch), exact per-rank slices of every step.
+
+Deterministic mode (`LoopConfig.deterministic=True`, the default)
+    The driver materializes the training set once into Ray's object store (`IndexedData.from_dataset`), and
+    every worker loads the blocks into memory as numpy columns. The epoch order is a permutation of row
+    positions drawn from (seed, epoch) alone; optimizer step s of the epoch uses positions
+    `order[s*B:(s+1)*B]`, and rank r takes the contiguous slice the batch plan gives it. The order therefore does
+    not depend on the world size, a restart resumes at step s exactly, and loss curves at different W agree.
+    Cost: the whole training set lives in the object store once and in every worker's memory once; it suits
+    data sets up to a few GB on a node (the examples use a few MB).
+
+Every epoch ends on purpose: its final partial global batch (N mod B samples) is trained on as one step
+normalised by its true size, or dropped with `BatchConfig(drop_last=True)`. Nothing is carried into the next
+epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raytrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class IndexedData:
+    """A materialized training set: Arrow block refs in the object store, their row counts and sample ids.
+
+    Built on the driver by `from_dataset`, shipped to workers inside the loop config (refs are borrowed, not
+    copied), turned into columns there by `load_columns`.
+    """
+
+    block_refs: tuple[Any, ...]
+    num_rows: int
+    ids: np.ndarray  # int64 sample id of every row, in row order
+    columns: tuple[str, ...]
+
+    @classmethod
+    def from_dataset(cls, dataset: Any, id_column: str | None, required_columns: Sequence[str] = ()) -> IndexedData:
+        """Materialize `dataset` (a `ray.data.Dataset`) and index it; call on the driver before workers start.
+
+        Raises `ConfigError` when a required or the id column is missing, the set is empty, or ids repeat.
+        """
+        import ray
+
+        materialized = dataset.materialize()
+        schema_names = list(materialized.schema().names)
+        missing = [c for c in (*required_columns, *([id_column] if id_column else [])) if c not in schema_names]
+        if missing:
+            raise ConfigError(f"training dataset has no column(s) {missing}; its columns are {schema_names}")
+        refs = tuple(materialized.to_arrow_refs())
+        ids = ray.get(ray.remote(num_cpus=0)(_ids_of_blocks).remote(id_column, *refs))
+        if ids.size == 0:
+            raise ConfigError("training dataset is empty: it must hold at least one row")
+        if id_column is None:
+            ids = np.arange(ids.size, dtype=np.int64)
+        elif np.unique(ids).size != ids.size:
+            raise ConfigError(f"id_column {id_column!r} must hold a unique id per row; some ids repeat")
+        return cls(refs, int(ids.size), ids.astype(np.int64), tuple(schema_names))
+
+    def load_columns(self) -> dict[str, np.ndarray]:
+        """Fetch every block and return one numpy array per column, rows in dataset order (call in a worker)."""
+        import ray
+        from ray.data.block import BlockAccessor
+
+        parts: dict[str, list[np.ndarray]] = {name: [] for name in self.columns}
+        for table in ray.get(list(self.block_refs)):
+            block = BlockAccessor.for_block(table).to_numpy()
+            for name in self.columns:
+                parts[name].append(np.asarray(block[name]))
+        return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+
+
+def _ids_of_blocks(id_column: str | None, *tables: Any) -> np.ndarray:
+    """Sample ids of all Arrow blocks in order (zeros as placeholders when raytrain numbers rows itself).
+
+    Runs as ONE Ray task over all blocks: a task per block would start a worker process per block.
+    """
+    parts = [
+        np.zeros(t.num_rows, dtype=np.int64)
+        if id_column is None
+        else np.asarray(t.column(id_column).to_numpy(zero_copy_only=False), dtype=np.int64)
+        for t in tables
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def epoch_order(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """Row positions in the order epoch `epoch` visits them: a permutation drawn from (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def steps_per_epoch(num_rows: int, global_batch: int, drop_last: bool) -> int:
+    """Optimizer steps in one epoch: floor(N/B) with `drop_last`, else ceil(N/B) (the last one partial)."""
+    steps = num_rows // global_batch if drop_last else -(-num_rows // global_batch)
+    if steps == 0:
+        raise ConfigError(
+            f"global_batch ({global_batch}) is larger than the training set ({num_rows} rows) with drop_last=True"
+        )
+    return steps
+
+
+def step_positions(order: np.ndarray, step_in_epoch: int, global_batch: int) -> np.ndarray:
+    """Row positions of the global batch of step `step_in_epoch` (fewer than B only for an epoch's last step)."""
+    return order[step_in_epoch * global_batch : (step_in_epoch + 1) * global_batch]

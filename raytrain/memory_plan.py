@@ -1,0 +1,334 @@
+"""Per-device model-state memory for DDP and ZeRO-1/2/3, and which parallel layout to start with.
+
+Accounting (ZeRO paper, Rajbhandari et al. 2019, Section 3 and Figure 1). With Ψ parameters, N data-parallel
+devices and, per parameter, p bytes of parameters, g bytes of gradients and o bytes of optimizer states
+(`StateBytes`), the *model states* one device holds are
+
+    ddp:    (p + g + o) Ψ
+    zero1:  (p + g) Ψ   + o Ψ / N          optimizer states sharded
+    zero2:   p Ψ        + (g + o) Ψ / N    gradients sharded too
+    zero3:  (p + g + o) Ψ / N              parameters sharded too
+
+A sharded state is split the way DeepSpeed and FSDP pad their flat buffers: every device holds ceil(Ψ / N)
+parameters' worth of it, so Ψ / N above is ceil(Ψ / N) and every byte count is an exact integer (equal to the
+formula whenever N divides Ψ). The optimizer kinds (`BYTES_PER_PARAM`, bytes per parameter p + g + o):
+
+    mixed_adam    2 + 2 + 12   fp16/bf16 params and grads; fp32 master params, momentum and variance (K = 12)
+    adam          4 + 4 + 8    fp32 params and grads; momentum and variance
+    sgd_momentum  4 + 4 + 4    fp32 params and grads; momentum
+    sgd           4 + 4 + 0    fp32 params and grads
+
+For Ψ = 7.5e9, N = 64 and mixed_adam this gives 120, 31.4, 16.6 and 1.9 GB (GB = 1e9 bytes), the paper's
+Figure 1 (exactly 120, 31.40625, 16.640625 and 1.875 GB). Activations, temporary buffers, the CUDA context
+and allocator fragmentation are *not* model states; `plan_memory` keeps `reserve_fraction` (default 0.2) of
+the device memory free for them, so the budget for model states is ``gpu_memory_bytes * (1 -
+reserve_fraction)``. The reserve is a rule of thumb, not a measurement: activations grow with micro-batch size
+and sequence length and can need far more than 20 %.
+
+Recommendation (start with DDP; when memory does not suffice, ZeRO/FSDP; when the model still does not fit,
+tensor parallel inside a node and pipeline parallel across nodes), the first layout that fits the budget:
+
+1. ``ddp``, then ``zero1``, then ``zero2`` (least communication first).
+2. ``zero3`` if its bytes plus its *gathered working set* fit. ZeRO-3 must materialise one unit's full
+   parameters and their gradients at a time, (p + g) x largest_layer_params bytes. With only a parameter count
+   the largest unit is unknown and taken as 0, which is optimistic; pass ``largest_layer_params`` (for
+   example from `count_parameters` on the model) to account for it.
+3. Tensor + pipeline parallel in the Megatron-DeepSpeed 3D layout: tensor-parallel degree d divides
+   ``gpus_per_node`` (TP traffic stays inside a node), pipeline stages s divide the number of nodes, and the
+   remaining dp = N / (d s) replicas shard the optimizer states with ZeRO-1. One device holds
+
+       (p + g) Ψ / (d s) + o Ψ / (d s dp)  =  (p + g) Ψ / (d s) + o Ψ / N
+
+   and gathers nothing. Tried in order: ``tp=d`` for every divisor d > 1 of ``gpus_per_node`` increasing,
+   then ``tp=<gpus_per_node>,pp=s`` for every divisor s > 1 of the node count increasing.
+4. Otherwise ``none``; the reason names the smallest device count with which ZeRO-3 would fit.
+
+Honest caveat: on model-state bytes alone ZeRO-3 over all N devices is the most compact layout there is
+(every TP/PP layout above holds at least as many bytes per device). TP/PP is therefore recommended only when
+ZeRO-3's gathered working set is what breaks the budget; in practice TP/PP is also chosen for activation
+memory and communication volume, which this model-state plan does not see.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+from raytrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+OptimizerKind = Literal["mixed_adam", "adam", "sgd_momentum", "sgd"]
+Strategy = Literal["ddp", "zero1", "zero2", "zero3"]
+OPTIMIZER_KINDS: tuple[str, ...] = get_args(OptimizerKind)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter of each model state: parameters, gradients, optimizer states."""
+
+    param: int
+    grad: int
+    optim: int
+
+    @property
+    def total(self) -> int:
+        """p + g + o: bytes per parameter when nothing is sharded."""
+        return self.param + self.grad + self.optim
+
+
+BYTES_PER_PARAM: dict[OptimizerKind, StateBytes] = {
+    "mixed_adam": StateBytes(param=2, grad=2, optim=12),
+    "adam": StateBytes(param=4, grad=4, optim=8),
+    "sgd_momentum": StateBytes(param=4, grad=4, optim=4),
+    "sgd": StateBytes(param=4, grad=4, optim=0),
+}
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Model-state bytes per device for each strategy, and the layout recommended for a memory budget.
+
+    `recommendation` is ``""`` and `budget_bytes` is None when no device memory was given; otherwise it is
+    one of ``ddp``, ``zero1``, ``zero2``, ``zero3``, ``tp=<d>``, ``tp=<d>,pp=<s>`` or ``none``, and `reason`
+    is one sentence saying why. `working_set_bytes` is ZeRO-3's gathered working set (0 if unknown) and
+    `recommended_bytes` the per-device model-state bytes of the recommended layout (None without one).
+    """
+
+    num_params: int
+    num_devices: int
+    optimizer: OptimizerKind
+    bytes_per_device: dict[str, int]
+    recommendation: str
+    budget_bytes: int | None
+    reason: str
+    working_set_bytes: int = 0
+    recommended_bytes: int | None = None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, minimum: int) -> int:
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ConfigError(f"{field} must be an integer >= {minimum}, got {value!r}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def _check_optimizer(optimizer: object) -> StateBytes:
+    if not isinstance(optimizer, str) or optimizer not in BYTES_PER_PARAM:
+        raise ConfigError(f"optimizer must be one of {', '.join(OPTIMIZER_KINDS)}, got {optimizer!r}")
+    return BYTES_PER_PARAM[optimizer]
+
+
+def _shard(num_params: int, parts: int) -> int:
+    """Parameters per device when `num_params` are split (padded) over `parts` devices."""
+    return -(-num_params // parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _gb(num_bytes: int | float) -> str:
+    return f"{num_bytes / GB:.3g} GB"
+
+
+def model_state_bytes(
+    num_params: int, strategy: Strategy, num_devices: int, optimizer: OptimizerKind = "mixed_adam"
+) -> int:
+    """Model-state bytes one device holds for `strategy` over `num_devices` data-parallel devices.
+
+    ddp (p+g+o)Ψ, zero1 (p+g)Ψ + oΨ/N, zero2 pΨ + (g+o)Ψ/N, zero3 (p+g+o)Ψ/N with Ψ/N rounded up to whole
+    parameters (padded shards) and p, g, o from ``BYTES_PER_PARAM[optimizer]``. Excludes activations and
+    ZeRO-3's gathered working set. Raises `ConfigError` if num_params < 1, num_devices < 1, or strategy or
+    optimizer is unknown.
+    """
+    psi = _check_int("num_params", num_params, 1)
+    n = _check_int("num_devices", num_devices, 1)
+    sb = _check_optimizer(optimizer)
+    shard = _shard(psi, n)
+    if strategy == "ddp":
+        return sb.total * psi
+    if strategy == "zero1":
+        return (sb.param + sb.grad) * psi + sb.optim * shard
+    if strategy == "zero2":
+        return sb.param * psi + (sb.grad + sb.optim) * shard
+    if strategy == "zero3":
+        return sb.total * shard
+    raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    """(trainable parameters, largest single layer) of a torch ``nn.Module``.
+
+    The total counts each trainable (``requires_grad``) parameter once, even if shared. The largest layer is
+    the maximum over all submodules of the trainable parameters a module owns directly
+    (``parameters(recurse=False)``): the largest unit FSDP/ZeRO-3 gathers when each module is wrapped
+    separately; pass it to `plan_memory` as ``largest_layer_params``. Returns (0, 0) for a module without
+    trainable parameters. Raises `ConfigError` if `module` is not an ``nn.Module``.
+    """
+    import torch  # lazy: keeps `import raytrain.memory_plan` fast and torch-free
+
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    total = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    largest = max(
+        (sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in module.modules()),
+        default=0,
+    )
+    return int(total), int(largest)
+
+
+def _tp_pp_bytes(psi: int, sb: StateBytes, num_devices: int, tp: int, pp: int) -> int:
+    """Megatron-DeepSpeed 3D layout: params and grads split tp*pp ways, optimizer states N ways (ZeRO-1)."""
+    return (sb.param + sb.grad) * _shard(psi, tp * pp) + sb.optim * _shard(psi, num_devices)
+
+
+def plan_memory(
+    num_params: int,
+    num_devices: int,
+    *,
+    optimizer: OptimizerKind = "mixed_adam",
+    gpu_memory_bytes: int | None = None,
+    gpus_per_node: int | None = None,
+    reserve_fraction: float = 0.2,
+    largest_layer_params: int = 0,
+) -> MemoryPlan:
+    """Per-device model-state bytes of ddp/zero1/zero2/zero3 and, given device memory, the layout to use.
+
+    Without `gpu_memory_bytes` the plan only holds the byte counts (recommendation ``""``, budget None).
+    With it, the budget is ``int(gpu_memory_bytes * (1 - reserve_fraction))`` and the recommendation is the
+    first that fits of ddp, zero1, zero2, zero3 (plus its gathered working set (p+g) x largest_layer_params),
+    ``tp=<d>`` and ``tp=<d>,pp=<s>`` (see the module docstring), else ``none``. `gpus_per_node` defaults to
+    `num_devices` (one node). Raises `ConfigError` unless num_params >= 1, num_devices >= 1, optimizer is
+    known, gpu_memory_bytes >= 1, gpus_per_node >= 1 divides num_devices, 0 <= reserve_fraction < 1 and
+    0 <= largest_layer_params <= num_params.
+    """
+    psi = _check_int("num_params", num_params, 1)
+    n = _check_int("num_devices", num_devices, 1)
+    sb = _check_optimizer(optimizer)
+    if gpu_memory_bytes is not None:
+        gpu_memory_bytes = _check_int("gpu_memory_bytes", gpu_memory_bytes, 1)
+    if gpus_per_node is None:
+        gpn = n
+    else:
+        gpn = _check_int("gpus_per_node", gpus_per_node, 1)
+        if n % gpn:
+            raise ConfigError(
+                f"gpus_per_node must be an integer >= 1 that divides num_devices={n}, got {gpus_per_node!r}"
+            )
+    if (
+        isinstance(reserve_fraction, bool)
+        or not isinstance(reserve_fraction, numbers.Real)
+        or not 0 <= reserve_fraction < 1
+    ):
+        raise ConfigError(f"reserve_fraction must be a number in [0, 1), got {reserve_fraction!r}")
+    if not _is_int(largest_layer_params) or not 0 <= largest_layer_params <= psi:
+        raise ConfigError(
+            f"largest_layer_params must be an integer in [0, num_params={psi}], got {largest_layer_params!r}"
+        )
+
+    per_device = {s: model_state_bytes(psi, s, n, optimizer) for s in STRATEGIES}
+    working_set = (sb.param + sb.grad) * int(largest_layer_params)
+    if gpu_memory_bytes is None:
+        return MemoryPlan(
+            num_params=psi,
+            num_devices=n,
+            optimizer=optimizer,
+            bytes_per_device=per_device,
+            recommendation="",
+            budget_bytes=None,
+            reason="no device memory given; pass gpu_memory_bytes for a recommendation",
+            working_set_bytes=working_set,
+        )
+
+    budget = int(gpu_memory_bytes * (1 - float(reserve_fraction)))
+    rec, reason, rec_bytes = _recommend(psi, n, gpn, sb, per_device, working_set, budget)
+    return MemoryPlan(
+        num_params=psi,
+        num_devices=n,
+        optimizer=optimizer,
+        bytes_per_device=per_device,
+        recommendation=rec,
+        budget_bytes=budget,
+        reason=reason,
+        working_set_bytes=working_set,
+        recommended_bytes=rec_bytes,
+    )
+
+
+def _recommend(
+    psi: int, n: int, gpn: int, sb: StateBytes, per_device: dict[str, int], working_set: int, budget: int
+) -> tuple[str, str, int | None]:
+    """(recommendation, one-sentence reason, its per-device bytes) for a budget; see the module docstring."""
+    within = f"within the {_gb(budget)} budget"
+    ddp = per_device["ddp"]
+    if ddp <= budget:
+        return "ddp", f"the full model state ({_gb(ddp)} per device) fits {within}; plain DDP suffices", ddp
+    for stage, sharded in (("zero1", "optimizer states"), ("zero2", "optimizer states and gradients")):
+        need = per_device[stage]
+        if need <= budget:
+            return (
+                stage,
+                f"DDP needs {_gb(ddp)} per device; sharding the {sharded} brings it to {_gb(need)}, {within}",
+                need,
+            )
+    zero3 = per_device["zero3"] + working_set
+    gathered = (
+        f"including a {_gb(working_set)} gathered working set"
+        if working_set
+        else "(gathered working set unknown, taken as 0)"
+    )
+    if zero3 <= budget:
+        return (
+            "zero3",
+            f"ZeRO-2 needs {_gb(per_device['zero2'])} per device; sharding the parameters too needs "
+            f"{_gb(zero3)} {gathered}, {within}",
+            zero3,
+        )
+    zero3_why = f"ZeRO-3 needs {_gb(zero3)} per device {gathered}, over the {_gb(budget)} budget"
+    nodes = n // gpn
+    candidates = [(d, 1) for d in _divisors(gpn) if d > 1] + [(gpn, s) for s in _divisors(nodes) if s > 1]
+    for d, s in candidates:
+        need = _tp_pp_bytes(psi, sb, n, d, s)
+        if need <= budget:
+            name = f"tp={d}" if s == 1 else f"tp={d},pp={s}"
+            layout = f"tensor parallel {d}" + (f" x pipeline {s}" if s > 1 else "")
+            return (
+                name,
+                f"{zero3_why}; {layout} with ZeRO-1 over dp={n // (d * s)} replicas needs {_gb(need)}, {within}",
+                need,
+            )
+    per_param_budget = (budget - working_set) // sb.total
+    if per_param_budget >= 1:
+        devices = -(-psi // per_param_budget)
+        hint = f"ZeRO-3 would fit on {devices} devices of this size"
+    else:
+        hint = "the gathered working set alone leaves no room for model states; split the largest layer"
+    return "none", f"nothing fits: {zero3_why} and no tensor/pipeline layout fits either; {hint}", None
+
+
+def format_memory_table(plan: MemoryPlan) -> str:
+    """A human-readable table of `plan`: strategy, GB per device, whether it fits the budget (when known,
+    zero3 including its gathered working set), then ``recommendation: <name> (<reason>)``."""
+    header = f"{'strategy':<9} {'GB/device':>10}"
+    if plan.budget_bytes is not None:
+        header += f"  fits {plan.budget_bytes / GB:.3g} GB budget?"
+    lines = [header]
+    for strategy, num_bytes in plan.bytes_per_device.items():
+        row = f"{strategy:<9} {num_bytes / GB:>10.3g}"
+        if plan.budget_bytes is not None:
+            extra = plan.working_set_bytes if strategy == "zero3" else 0
+            row += "  " + ("yes" if num_bytes + extra <= plan.budget_bytes else "no")
+            if extra:
+                row += f" (+{extra / GB:.3g} GB gathered working set)"
+        lines.append(row)
+    lines.append(f"recommendation: {plan.recommendation or '-'} ({plan.reason})")
+    return "\n".join(lines)

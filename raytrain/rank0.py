@@ -1,0 +1,120 @@
+"""All rank-0-only logic in one place: metrics, the sample audit, resize lines, progress and summaries.
+
+Every rank builds a `Rank0Log`; on ranks other than 0 its methods do nothing, so the loop calls them
+unconditionally. Files live in the run directory (local storage):
+    metrics.jsonl   one line per committed-or-current optimizer step
+    samples.jsonl   with audit on: {"step", "epoch", "ids"} per step
+    events.jsonl    one line per (re)start of the worker group: world size before and after, plans, step
+On restart, lines for steps after the restored checkpoint are removed: those steps are replayed (the model
+was rolled back too), so each file describes exactly one history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+EVENTS_FILE = "events.jsonl"
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Keep only the JSON lines of `path` whose "step" is <= `step`."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+class Rank0Log:
+    """Writes metrics and logs on rank 0; a no-op elsewhere. Not thread-safe; one per worker process."""
+
+    def __init__(self, rank: int, run_dir: str | None, *, audit: bool, log_every: int, out: TextIO = sys.stdout):
+        self.active = rank == 0
+        self.run_dir = run_dir
+        self.audit = audit
+        self.log_every = log_every
+        self.out = out
+        self._started = time.monotonic()
+        if self.active and run_dir:
+            os.makedirs(run_dir, exist_ok=True)
+
+    def _path(self, name: str) -> str | None:
+        return os.path.join(self.run_dir, name) if self.run_dir else None
+
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        path = self._path(name)
+        if path:
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def print(self, message: str) -> None:
+        """Print one line on rank 0."""
+        if self.active:
+            print(f"[raytrain] {message}", file=self.out, flush=True)
+
+    def start(self, *, restored_step: int, event: dict[str, Any], line: str) -> None:
+        """Called once per (re)start, after restoring: trims replayed history and logs the resize line."""
+        if not self.active:
+            return
+        for name in (METRICS_FILE, SAMPLES_FILE):
+            path = self._path(name)
+            if path:
+                _truncate_after(path, restored_step)
+        self._append(EVENTS_FILE, {**event, "time": time.time()})
+        self.print(line)
+
+    def step(self, metrics: dict[str, Any], sample_ids: list[int] | None) -> None:
+        """Record one finished optimizer step (and its sample ids when auditing)."""
+        if not self.active:
+            return
+        self._append(METRICS_FILE, metrics)
+        if self.audit and sample_ids is not None:
+            self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": sample_ids})
+        step = metrics["step"]
+        if step % self.log_every == 0 or step == 1:
+            rate = metrics["global_batch_size"] / max(metrics["step_time_s"], 1e-9)
+            self.print(
+                f"step {step:>5} | epoch {metrics['epoch']} | loss {metrics['loss']:.4f} | "
+                f"world {metrics['world_size']} | lr {metrics['lr']:.3e} | {rate:,.0f} samples/s"
+            )
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """Print the end-of-run summary."""
+        self.print(
+            "done: "
+            + ", ".join(f"{k} {v}" for k, v in summary.items())
+            + f" ({time.monotonic() - self._started:.1f} s in this worker group)"
+        )
+
+
+def resize_line(previous: dict[str, Any] | None, current: dict[str, Any], lr: float, previous_lr: float | None) -> str:
+    """The line logged when the worker group (re)starts, e.g.
+    ``world 3 -> 2: accumulation 2 -> 3, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged),
+    lr 3.0e-03 (unchanged)``. `previous`/`current` are `BatchPlan.to_dict()` forms."""
+
+    def samples(plan: dict[str, Any]) -> str:
+        return "[" + ",".join(str(n) for n in plan["per_rank_samples"]) + "]"
+
+    if previous is None:
+        return (
+            f"world {current['world_size']}: accumulation {current['accumulation_steps']}, "
+            f"samples/rank {samples(current)}, global batch {current['global_batch']}, lr {lr:.1e}"
+        )
+    batch_note = (
+        "(unchanged)" if previous["global_batch"] == current["global_batch"] else f"(was {previous['global_batch']})"
+    )
+    lr_note = (
+        "(unchanged)" if previous_lr is None or abs(previous_lr - lr) <= 1e-12 * lr else f"(was {previous_lr:.1e})"
+    )
+    return (
+        f"world {previous['world_size']} -> {current['world_size']}: accumulation "
+        f"{previous['accumulation_steps']} -> {current['accumulation_steps']}, samples/rank {samples(previous)} -> "
+        f"{samples(current)}, global batch {current['global_batch']} {batch_note}, lr {lr:.1e} {lr_note}"
+    )

@@ -1,0 +1,175 @@
+"""The driver half of raytrain: validate everything, prepare the data, and hand the loop to Ray Train.
+
+    trainer = ElasticTrainer(model_fn=..., loss_fn=..., optimizer_fn=..., datasets={"train": ds},
+                             batch=BatchConfig(global_batch=96, micro_batch=32), lr=LRConfig(base_lr=3e-3), ...)
+    result = trainer.fit()
+
+Ray Train V2 restarts the worker group on every resize or failure; the worker half
+(`raytrain.worker_loop.train_loop_per_worker`) restores from the latest checkpoint each time.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, TrainSpec
+from raytrain.errors import ConfigError
+from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
+
+# Quiet, fast defaults for Ray Train's controller and workers; a value the user already set wins.
+RAY_ENV_DEFAULTS = {
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # otherwise every print in a worker appears twice
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # report() blocks about this long; failures are seen this fast
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",  # a start on a stale view of the cluster fails in 15 s, not 60
+}
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What `ElasticTrainer.fit` returns: the last reported metrics, the latest checkpoint and where files are."""
+
+    metrics: dict[str, Any] | None
+    checkpoint: Any  # ray.train.Checkpoint | None
+    run_dir: str
+    metrics_path: str
+    samples_path: str | None
+    events_path: str
+
+
+def check_storage_writable(path: str) -> None:
+    """Create `path` if needed and prove it is writable; raise `ConfigError` naming it otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise ConfigError(f"storage_path {path!r} is not a writable directory: {err.strerror or err}") from None
+
+
+def apply_ray_env_defaults() -> None:
+    """Set `RAY_ENV_DEFAULTS` in this process (before Ray starts) unless already set."""
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
+class ElasticTrainer:
+    """Trains `model_fn()` with a fixed global batch on however many Ray Train workers the cluster allows.
+
+    Args:
+        model_fn: builds the model on a worker (called after the seed is set, so every rank gets equal weights).
+        loss_fn: `loss_fn(model, batch) -> Tensor[n]`, one loss per sample of the batch (a dict of column
+            tensors). raytrain sums and normalises them by the global batch.
+        optimizer_fn: `optimizer_fn(params, lr=...) -> torch.optim.Optimizer`.
+        datasets: {"train": ray.data.Dataset}; the columns named in `required_columns` must exist.
+        batch, lr, loop, checkpoint, cluster: the configuration (see `raytrain.config`).
+        required_columns: columns `loss_fn` reads; checked on the driver before any worker starts.
+
+    Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
+    the field, its value and the valid range.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_fn: Callable[[], nn.Module],
+        loss_fn: Callable[..., Any],
+        optimizer_fn: Callable[..., Any],
+        datasets: dict[str, Any],
+        batch: BatchConfig,
+        lr: LRConfig,
+        loop: LoopConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        cluster: ClusterConfig | None = None,
+        required_columns: Sequence[str] = (),
+    ) -> None:
+        for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
+            if not callable(fn):
+                raise ConfigError(f"{name} must be callable, got {fn!r}")
+        if "train" not in datasets:
+            raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
+        self.spec = TrainSpec(
+            batch=batch,
+            lr=lr,
+            loop=loop or LoopConfig(),
+            checkpoint=checkpoint or CheckpointConfig(),
+            cluster=cluster or ClusterConfig(),
+        )
+        if not self.spec.loop.deterministic:
+            raise ConfigError("deterministic=False (streaming) is not available yet; use deterministic=True")
+        self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
+        self.datasets = datasets
+        self.required_columns = tuple(required_columns)
+
+    def fit(self) -> FitResult:
+        """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
+        instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster)."""
+        import ray
+        from ray.train import CheckpointConfig as RayCheckpointConfig
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchTrainer
+
+        from raytrain.data import IndexedData
+        from raytrain.worker_loop import train_loop_per_worker
+
+        spec = self.spec
+        if not spec.checkpoint.is_local:
+            raise ConfigError(
+                f"storage_path must be a local or shared directory for now, got {spec.checkpoint.storage_path!r}"
+            )
+        run_dir = spec.checkpoint.run_dir()
+        check_storage_writable(os.path.dirname(run_dir))
+        apply_ray_env_defaults()
+        if not ray.is_initialized():
+            needed = spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1
+            address = os.environ.get("RAY_ADDRESS")
+            ray.init(
+                address=address,
+                num_cpus=None if address else max(os.cpu_count() or 1, int(needed + 0.999)),
+                dashboard_host="127.0.0.1",
+            )
+        data = IndexedData.from_dataset(self.datasets["train"], spec.loop.id_column, self.required_columns)
+        cluster = spec.cluster
+        workers: int | tuple[int, int] = (
+            cluster.min_workers
+            if cluster.min_workers == cluster.max_workers
+            else (cluster.min_workers, cluster.max_workers)
+        )
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={
+                "spec": spec,
+                "data": data,
+                "run_dir": run_dir,
+                "model_fn": self.model_fn,
+                "loss_fn": self.loss_fn,
+                "optimizer_fn": self.optimizer_fn,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=workers,
+                use_gpu=cluster.use_gpu,
+                resources_per_worker=dict(cluster.resources_per_worker),
+                elastic_resize_monitor_interval_s=cluster.resize_monitor_interval_s,
+            ),
+            run_config=RunConfig(
+                name=spec.checkpoint.run_name,
+                storage_path=os.path.abspath(spec.checkpoint.storage_path),
+                failure_config=FailureConfig(max_failures=cluster.max_failures),
+                checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
+                worker_runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV_DEFAULTS}},
+            ),
+        )
+        result = trainer.fit()
+        return FitResult(
+            metrics=result.metrics,
+            checkpoint=result.checkpoint,
+            run_dir=run_dir,
+            metrics_path=os.path.join(run_dir, METRICS_FILE),
+            samples_path=os.path.join(run_dir, SAMPLES_FILE) if spec.loop.audit_samples else None,
+            events_path=os.path.join(run_dir, EVENTS_FILE),
+        )
