@@ -1,0 +1,70 @@
+"""`raytrain plan` through the real console script."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+RAYTRAIN = shutil.which("raytrain")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [RAYTRAIN] if RAYTRAIN else [sys.executable, "-m", "raytrain.cli"]
+    return subprocess.run([*command, *args], capture_output=True, text=True, timeout=60)
+
+
+def test_plan_json_gives_exact_global_batch_with_minimal_k() -> None:
+    result = run_cli("plan", "--global-batch", "1024", "--micro-batch", "16", "--workers", "1:12", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert [row["world_size"] for row in out["batch"]] == list(range(1, 13))
+    for row in out["batch"]:
+        w, k = row["world_size"], row["accumulation_steps"]
+        assert sum(row["per_rank_samples"]) == 1024 == row["global_batch"]
+        assert len(row["per_rank_samples"]) == w
+        assert row["max_micro_batch"] <= 16
+        assert (k - 1) * 16 * w < 1024 <= k * 16 * w  # k is minimal
+    assert "memory" not in out
+
+
+def test_plan_memory_json_reproduces_zero_paper_and_recommends() -> None:
+    result = run_cli("plan", "--params", "7.5e9", "--gpus", "64", "--gpu-memory-gb", "32", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    expected_gb = {"ddp": 120, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+    for key, gb in expected_gb.items():
+        assert out["memory"][key] / 1e9 == pytest.approx(gb, rel=0.014)
+    # 32 GB V100s with a 20 % reserve: 25.6 GB budget -> zero2 is the first stage that fits.
+    assert out["recommendation"] == "zero2"
+
+
+def test_plan_table_output() -> None:
+    result = run_cli("plan", "--global-batch", "96", "--micro-batch", "32", "--workers", "2:3", "--params", "125M",
+                     "--gpus", "4")
+    assert result.returncode == 0, result.stderr
+    assert "48 48" in result.stdout and "32 32 32" in result.stdout
+    for name in ("ddp", "zero1", "zero2", "zero3"):
+        assert name in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["plan", "--global-batch", "8", "--micro-batch", "4", "--workers", "1:9"],
+         "world_size must be an integer in [1, global_batch=8], got 9"),
+        (["plan", "--global-batch", "0", "--micro-batch", "4"], "global_batch must be an integer >= 1, got 0"),
+        (["plan", "--global-batch", "8", "--micro-batch", "4", "--workers", "3:2"], "workers must be"),
+        (["plan", "--params", "1e9"], "--gpus is required"),
+        (["plan"], "plan needs"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
