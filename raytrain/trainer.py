@@ -11,7 +11,6 @@ Ray Train V2 restarts the worker group on every resize or failure; the worker ha
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,13 +42,16 @@ class FitResult:
 
 
 def check_storage_writable(path: str) -> None:
-    """Create `path` if needed and prove it is writable; raise `ConfigError` naming it otherwise."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        raise ConfigError(f"storage_path {path!r} is not a writable directory: {err.strerror or err}") from None
+    """Raise `ConfigError` naming `path` unless it is (or can be created as) a writable directory.
+
+    Creates nothing: the nearest existing ancestor must be a writable directory.
+    """
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        what = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+        raise ConfigError(f"storage_path {path!r} is not usable: {probe!r} {what}")
 
 
 def apply_ray_env_defaults() -> None:
@@ -123,7 +125,7 @@ class ElasticTrainer:
                 f"storage_path must be a local or shared directory for now, got {spec.checkpoint.storage_path!r}"
             )
         run_dir = spec.checkpoint.run_dir()
-        check_storage_writable(os.path.dirname(run_dir))
+        check_storage_writable(run_dir)
         apply_ray_env_defaults()
         if not ray.is_initialized():
             needed = spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1

@@ -43,8 +43,9 @@ def test_plan_memory_json_reproduces_zero_paper_and_recommends() -> None:
 
 
 def test_plan_table_output() -> None:
-    result = run_cli("plan", "--global-batch", "96", "--micro-batch", "32", "--workers", "2:3", "--params", "125M",
-                     "--gpus", "4")
+    result = run_cli(
+        "plan", "--global-batch", "96", "--micro-batch", "32", "--workers", "2:3", "--params", "125M", "--gpus", "4"
+    )
     assert result.returncode == 0, result.stderr
     assert "48 48" in result.stdout and "32 32 32" in result.stdout
     for name in ("ddp", "zero1", "zero2", "zero3"):
@@ -54,8 +55,10 @@ def test_plan_table_output() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["plan", "--global-batch", "8", "--micro-batch", "4", "--workers", "1:9"],
-         "world_size must be an integer in [1, global_batch=8], got 9"),
+        (
+            ["plan", "--global-batch", "8", "--micro-batch", "4", "--workers", "1:9"],
+            "world_size must be an integer in [1, global_batch=8], got 9",
+        ),
         (["plan", "--global-batch", "0", "--micro-batch", "4"], "global_batch must be an integer >= 1, got 0"),
         (["plan", "--global-batch", "8", "--micro-batch", "4", "--workers", "3:2"], "workers must be"),
         (["plan", "--params", "1e9"], "--gpus is required"),

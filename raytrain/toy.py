@@ -1,0 +1,66 @@
+"""Small, self-contained models and data sets for the demo, the examples, tests and benchmarks.
+
+Everything here is generated from a seed: no downloads. Functions are module-level (or `functools.partial` of
+module-level functions) so Ray can ship them to workers by reference.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def regression_arrays(num_rows: int, features: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
+    """A noisy nonlinear regression problem: columns "id" (int64), "x" (float32 [features]) and "y" (float32)."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(num_rows, features)).astype(np.float32)
+    w = rng.normal(size=features).astype(np.float32)
+    y = (np.tanh(x @ w) + 0.1 * rng.normal(size=num_rows)).astype(np.float32)
+    return {"id": np.arange(num_rows, dtype=np.int64), "x": x, "y": y}
+
+
+def regression_dataset(num_rows: int, features: int = 8, seed: int = 0) -> Any:
+    """The regression arrays as a `ray.data.Dataset` (needs Ray initialised)."""
+    return _from_arrays(regression_arrays(num_rows, features, seed))
+
+
+def _from_arrays(arrays: dict[str, np.ndarray]) -> Any:
+    """One Arrow table (tensor columns for arrays of rank > 1) as a Ray dataset."""
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    columns = {
+        name: ArrowTensorArray.from_numpy(value) if value.ndim > 1 else pa.array(value)
+        for name, value in arrays.items()
+    }
+    return ray.data.from_arrow(pa.table(columns))
+
+
+def mlp(features: int = 8, hidden: int = 32, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A two-layer MLP regressor: [n, features] -> [n]."""
+    return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 1), nn.Flatten(0)).to(dtype)
+
+
+def mlp_factory(features: int = 8, hidden: int = 32) -> partial[nn.Module]:
+    """A picklable `model_fn` building `mlp(features, hidden)`."""
+    return partial(mlp, features, hidden)
+
+
+def squared_error(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sample squared error of `model(batch["x"])` against `batch["y"]`: shape [n]."""
+    return (model(batch["x"]) - batch["y"]) ** 2
+
+
+def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
+    """Plain SGD with momentum 0.9."""
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay 0.01."""
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)

@@ -1,0 +1,296 @@
+"""Gradient equivalence without Ray: the real `train_step` on real gloo process groups equals full-batch training.
+
+For every strategy (ddp, zero1, zero2, zero3), world size W in {1, 2, 3} and accumulation k in {1, 2, 4}, each rank
+trains a tiny float64 MLP for three optimizer steps on its micro-batches from `_rank_micro_batches`; rank 0's full
+parameters must equal a plain single-process reference (mean loss over the B samples, one backward, one step) to
+1e-6. The global batch depends on W so that every k is reachable and W=2 and W=3 do not divide B. One spawned world
+per W runs every strategy and configuration in a single process group (spawning is the expensive part).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import multiprocessing
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from raytrain.batch_plan import BatchPlan, plan_batch, split_step
+from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
+from raytrain.worker_loop import _rank_micro_batches, train_step
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+WORLDS = (1, 2, 3)
+ACCUMULATIONS = (1, 2, 4)
+# B per world size: every k in ACCUMULATIONS is reachable with some cap m, and W=2, W=3 do not divide B.
+GLOBAL_BATCH = {1: 12, 2: 13, 3: 10}
+STEPS = 3
+NUM_ROWS = 64
+TOLERANCE = 1e-6
+LR = {"sgd": 0.1, "adam": 0.01}
+START_METHOD = os.environ.get("RAYTRAIN_TEST_START_METHOD", "forkserver")  # or "spawn"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run: `step_sizes[s]` samples in optimizer step s, micro-batch cap `cap`."""
+
+    strategy: str
+    world: int
+    accumulation: int
+    cap: int
+    step_sizes: tuple[int, ...]
+    optimizer: str = "sgd"
+    wrong_scale: bool = False  # negative control: normalise by the micro-batch mean instead of W / B
+
+    @property
+    def name(self) -> str:
+        sizes = ",".join(map(str, self.step_sizes))
+        wrong = "-wrong" if self.wrong_scale else ""
+        return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{wrong}"
+
+
+def _cap_for(global_batch: int, world: int, accumulation: int) -> int:
+    """The largest micro-batch cap m with ceil(B / (m * W)) == k."""
+    for cap in range(global_batch, 0, -1):
+        if math.ceil(global_batch / (cap * world)) == accumulation:
+            return cap
+    raise AssertionError(f"no cap gives k={accumulation} for B={global_batch}, W={world}")
+
+
+def _full_case(strategy: str, world: int, accumulation: int, optimizer: str = "sgd", wrong: bool = False) -> Case:
+    batch = GLOBAL_BATCH[world]
+    cap = _cap_for(batch, world, accumulation)
+    return Case(strategy, world, accumulation, cap, (batch,) * STEPS, optimizer, wrong)
+
+
+def _partial_case(strategy: str, last: int) -> Case:
+    """W=3, k=2: two full steps of B=10, then a final partial step of `last` samples (split_step)."""
+    batch = GLOBAL_BATCH[3]
+    cap = _cap_for(batch, 3, 2)
+    return Case(strategy, 3, 2, cap, (batch, batch, last))
+
+
+NEGATIVE = _full_case("ddp", 3, 2, wrong=True)
+PARTIAL_SIZES = (5, 2)  # 2 < W: one rank has no sample at all in the final step
+
+
+def _cases_for_world(world: int) -> list[Case]:
+    cases = []
+    for strategy in STRATEGIES:
+        cases += [_full_case(strategy, world, k) for k in ACCUMULATIONS]
+        cases.append(_full_case(strategy, world, 2, optimizer="adam"))
+        if world == 3:
+            cases += [_partial_case(strategy, last) for last in PARTIAL_SIZES]
+    if world == NEGATIVE.world:
+        cases.append(NEGATIVE)
+    return cases
+
+
+# ---------------------------------------------------------------- shared by the reference and the workers
+
+
+def _build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+
+
+def _columns() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(NUM_ROWS, 5))
+    y = np.sin(x @ rng.normal(size=5)) + 0.1 * rng.normal(size=NUM_ROWS)
+    return {"x": x, "y": y}
+
+
+def _step_positions(step_sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """Consecutive slices of one fixed permutation: the global sample positions of each optimizer step."""
+    order = np.random.default_rng(11).permutation(NUM_ROWS)
+    starts = np.cumsum((0, *step_sizes))
+    assert starts[-1] <= NUM_ROWS
+    return [order[starts[s] : starts[s + 1]] for s in range(len(step_sizes))]
+
+
+def _optimizer_fn(name: str):
+    if name == "sgd":
+        return functools.partial(torch.optim.SGD, momentum=0.9)
+    return torch.optim.Adam
+
+
+def _loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["x"]).squeeze(-1) - batch["y"]) ** 2
+
+
+def _step_plan(case: Case, size: int) -> BatchPlan:
+    full = case.step_sizes[0]
+    if size == full:
+        return plan_batch(full, case.cap, case.world)
+    return split_step(size, case.cap, case.world)
+
+
+@functools.cache
+def _reference(step_sizes: tuple[int, ...], optimizer: str) -> dict[str, torch.Tensor]:
+    """Plain torch: mean loss over the step's samples, one backward, one step, per optimizer step."""
+    columns = _columns()
+    model = _build_model()
+    opt = _optimizer_fn(optimizer)(model.parameters(), lr=LR[optimizer])
+    for positions in _step_positions(step_sizes):
+        x, y = torch.from_numpy(columns["x"][positions]), torch.from_numpy(columns["y"][positions])
+        opt.zero_grad(set_to_none=True)
+        ((model(x).squeeze(-1) - y) ** 2).mean().backward()
+        opt.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------- the spawned ranks
+
+
+def _wrong_train_step(model, optimizer, loss_fn, micro_batches, world_size, step_total) -> float:
+    """Negative control: `train_step` with the micro-batch mean as the loss (the contract says never do this)."""
+    optimizer.zero_grad(set_to_none=True)
+    for j, batch in enumerate(micro_batches):
+        with gradient_sync(model, enabled=j == len(micro_batches) - 1):
+            losses = loss_fn(model, batch)
+            if len(losses):
+                losses.mean().backward()
+            else:
+                (losses.sum() * 0.0).backward()
+    optimizer.step()
+    return 0.0
+
+
+def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    device = torch.device("cpu")
+    model = apply_parallelism(_build_model(), case.strategy, device, case.world)
+    optimizer = build_optimizer(model, _optimizer_fn(case.optimizer), LR[case.optimizer], case.strategy)
+    step = _wrong_train_step if case.wrong_scale else train_step
+    for positions in _step_positions(case.step_sizes):
+        plan = _step_plan(case, len(positions))
+        assert plan.accumulation_steps == case.accumulation or len(positions) != case.step_sizes[0], plan
+        batches = _rank_micro_batches(columns, positions, plan, rank, device)
+        step(model, optimizer, _loss_fn, batches, case.world, len(positions))
+    # A collective for FSDP2 (all ranks call it); strips DDP's "module." prefix.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: tensor.detach().clone() for name, tensor in state.items()}
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        columns = _columns()
+        results: dict[str, dict[str, object]] = {}
+        for case in _cases_for_world(world):
+            try:
+                results[case.name] = {"params": _run_case(case, rank, columns), "error": None}
+            except Exception:
+                results[case.name] = {"params": None, "error": traceback.format_exc()}
+            dist.barrier()
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def world_results(tmp_path_factory: pytest.TempPathFactory):
+    """world -> rank -> case name -> {"params", "error"}; each world is spawned once, on first use."""
+
+    # A fresh forkserver imports torch, raytrain and this module once; every rank is then forked from it
+    # (the same isolation as spawn: no thread or process group of the test process is inherited).
+    multiprocessing.set_forkserver_preload([__name__])
+
+    @functools.cache
+    def run(world: int) -> list[dict[str, dict[str, object]]]:
+        out_dir = tmp_path_factory.mktemp(f"world{world}")
+        args = (world, _free_port(), str(out_dir))
+        mp.start_processes(_rank_main, args=args, nprocs=world, start_method=START_METHOD)
+        return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+    return run
+
+
+def _params_of(world_results, case: Case) -> dict[str, torch.Tensor]:
+    per_rank = world_results(case.world)
+    errors = [f"rank {r}:\n{res[case.name]['error']}" for r, res in enumerate(per_rank) if res[case.name]["error"]]
+    assert not errors, f"{case.name} raised:\n" + "\n".join(errors)
+    return per_rank[0][case.name]["params"]
+
+
+def _max_abs_diff(params: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    assert sorted(params) == sorted(reference), (sorted(params), sorted(reference))
+    return max(float((params[name] - reference[name]).abs().max()) for name in reference)
+
+
+def _check(world_results, case: Case) -> float:
+    diff = _max_abs_diff(_params_of(world_results, case), _reference(case.step_sizes, case.optimizer))
+    print(f"{case.name}: max abs diff {diff:.3e}")
+    assert diff <= TOLERANCE, f"{case.name}: max abs diff {diff:.3e} > {TOLERANCE}"
+    return diff
+
+
+# ---------------------------------------------------------------- tests
+
+
+def _ids(world: int, k: int) -> str:
+    return f"W{world}-B{GLOBAL_BATCH[world]}-k{k}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize(
+    ("world", "k"),
+    [(w, k) for w in WORLDS for k in ACCUMULATIONS],
+    ids=[_ids(w, k) for w in WORLDS for k in ACCUMULATIONS],
+)
+def test_sgd_momentum_matches_full_batch(world_results, strategy: str, world: int, k: int) -> None:
+    case = _full_case(strategy, world, k)
+    assert plan_batch(GLOBAL_BATCH[world], case.cap, world).accumulation_steps == k
+    _check(world_results, case)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[_ids(w, 2) for w in WORLDS])
+def test_adam_matches_full_batch(world_results, strategy: str, world: int) -> None:
+    _check(world_results, _full_case(strategy, world, 2, optimizer="adam"))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("last", PARTIAL_SIZES, ids=[f"W3-last{n}" for n in PARTIAL_SIZES])
+def test_partial_final_step_normalised_by_its_size(world_results, strategy: str, last: int) -> None:
+    case = _partial_case(strategy, last)
+    plan = split_step(last, case.cap, 3)
+    assert sum(plan.per_rank_samples) == last < GLOBAL_BATCH[3]
+    _check(world_results, case)
+
+
+def test_reference_trains() -> None:
+    """An untrained model cannot pass: three steps move the parameters well beyond the tolerance."""
+    initial = {name: p.detach() for name, p in _build_model().named_parameters()}
+    for optimizer in LR:
+        moved = _max_abs_diff(_reference((GLOBAL_BATCH[1],) * STEPS, optimizer), initial)
+        assert moved > 1e-3, (optimizer, moved)
+
+
+def test_micro_batch_mean_is_not_equivalent(world_results) -> None:
+    """Negative control: the same ranks with the micro-batch mean as loss do not reproduce the reference."""
+    diff = _max_abs_diff(_params_of(world_results, NEGATIVE), _reference(NEGATIVE.step_sizes, NEGATIVE.optimizer))
+    assert diff > 1e-3, diff

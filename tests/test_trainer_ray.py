@@ -1,0 +1,138 @@
+"""End-to-end tests of `ElasticTrainer` on a real local Ray cluster (CPU, gloo, 1-3 workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+from raytrain.errors import ConfigError
+from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error
+from raytrain.trainer import ElasticTrainer
+
+pytestmark = pytest.mark.ray
+
+ROWS = 90  # 90 rows at global batch 20: 5 steps per epoch, the last one partial (10 samples)
+
+
+def make_trainer(
+    tmp: Path,
+    run: str,
+    *,
+    workers: int,
+    strategy: str = "ddp",
+    steps: int | None = None,
+    epochs: int = 2,
+    every: int = 100,
+    audit: bool = False,
+    **kwargs: Any,
+) -> ElasticTrainer:
+    return ElasticTrainer(
+        model_fn=mlp_factory(8, 16),
+        loss_fn=squared_error,
+        optimizer_fn=sgd,
+        datasets={"train": regression_dataset(ROWS)},
+        batch=BatchConfig(global_batch=20, micro_batch=kwargs.pop("micro_batch", 4)),
+        lr=LRConfig(base_lr=0.2, warmup_steps=2),
+        loop=LoopConfig(epochs=epochs, max_steps=steps, strategy=strategy, audit_samples=audit, id_column="id"),
+        checkpoint=CheckpointConfig(storage_path=str(tmp), run_name=run, every_steps=every),
+        cluster=ClusterConfig(min_workers=workers, max_workers=workers),
+        required_columns=("x", "y"),
+        **kwargs,
+    )
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_path: Path) -> None:
+    result = make_trainer(tmp_path, "e2e", workers=2, audit=True).fit()
+    lines = read_jsonl(result.metrics_path)
+    # Rank 0 alone writes: one line per optimizer step, none duplicated by other ranks.
+    assert [m["step"] for m in lines] == list(range(1, 11))
+    assert {m["world_size"] for m in lines} == {2}
+    # Full steps carry exactly the global batch; each epoch's last step the remainder 90 - 4 * 20 = 10.
+    assert [m["global_batch_size"] for m in lines] == [20, 20, 20, 20, 10] * 2
+    assert all(sum(m["per_rank_samples"]) == m["global_batch_size"] for m in lines)
+    assert lines[-1]["samples_seen"] == 2 * ROWS
+    assert lines[0]["lr"] == pytest.approx(0.1) and lines[2]["lr"] == pytest.approx(0.2)  # warmup, then peak
+    for key in ("epoch", "accumulation_steps", "loss", "step_time_s"):
+        assert key in lines[0]
+    mean_loss = [sum(m["loss"] for m in lines if m["epoch"] == e) / 5 for e in (0, 1)]
+    assert mean_loss[1] < mean_loss[0]  # it learns
+    # Every id exactly once per epoch, and the epochs were shuffled differently.
+    audit = read_jsonl(result.samples_path or "")
+    by_epoch: dict[int, list[int]] = {}
+    for record in audit:
+        by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
+    assert sorted(by_epoch[0]) == sorted(by_epoch[1]) == list(range(ROWS))
+    assert by_epoch[0] != by_epoch[1]
+    assert result.metrics is not None and result.metrics["step"] == 10
+    assert result.checkpoint is not None
+    events = read_jsonl(result.events_path)
+    assert len(events) == 1 and events[0]["world_size"] == 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_resume_continues_exactly(ray_local: None, tmp_path: Path, strategy: str) -> None:
+    full = read_jsonl(make_trainer(tmp_path, "full", workers=2, strategy=strategy, steps=8).fit().metrics_path)
+    make_trainer(tmp_path, "split", workers=2, strategy=strategy, steps=4, every=4).fit()
+    resumed = read_jsonl(
+        make_trainer(tmp_path, "split", workers=2, strategy=strategy, steps=8, every=4).fit().metrics_path
+    )
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    for a, b in zip(full[4:], resumed[4:], strict=True):
+        assert a["step"] == b["step"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
+    events = read_jsonl(tmp_path / "split" / "events.jsonl")
+    assert [e["restored"] for e in events] == [False, True]
+    assert events[1]["step"] == 4
+
+
+def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, tmp_path: Path) -> None:
+    one = read_jsonl(make_trainer(tmp_path, "w1", workers=1, steps=6).fit().metrics_path)
+    three = read_jsonl(make_trainer(tmp_path, "w3", workers=3, steps=6, strategy="zero3").fit().metrics_path)
+    assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in three]
+    for a, b in zip(one, three, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_missing_column_fails_before_workers_and_writes_nothing(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "bad", workers=2)
+    trainer.required_columns = ("x", "label")
+    with pytest.raises(ConfigError, match=r"no column\(s\) \['label'\]; its columns are \['id', 'x', 'y'\]"):
+        trainer.fit()
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_unwritable_storage_path_fails_clearly(ray_local: None, tmp_path: Path) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(ConfigError, match="storage_path .* is not usable: .*a_file' is not a directory"):
+        make_trainer(blocker / "runs", "x", workers=1).fit()
+    assert blocker.read_text() == "not a directory"
+
+
+def test_unknown_strategy_and_bad_ranges_are_rejected_before_anything_runs() -> None:
+    with pytest.raises(ConfigError, match="strategy must be one of auto, ddp, zero1, zero2, zero3, got 'zero4'"):
+        LoopConfig(strategy="zero4")
+    with pytest.raises(ConfigError, match="min_workers must be <= max_workers, got min_workers=3 > max_workers=2"):
+        ClusterConfig(min_workers=3, max_workers=2)
+    with pytest.raises(ConfigError, match="micro_batch must be an integer >= 1, got 0"):
+        BatchConfig(global_batch=8, micro_batch=0)
+    with pytest.raises(ConfigError, match="max_workers must be <= global_batch"):
+        ElasticTrainer(
+            model_fn=mlp_factory(),
+            loss_fn=squared_error,
+            optimizer_fn=sgd,
+            datasets={"train": None},
+            batch=BatchConfig(global_batch=2, micro_batch=1),
+            lr=LRConfig(base_lr=0.1),
+            cluster=ClusterConfig(min_workers=1, max_workers=3),
+        )
