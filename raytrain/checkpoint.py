@@ -5,6 +5,7 @@ Layout of one checkpoint directory (Ray merges the per-rank directories into it)
     .metadata, __<rank>_0.distcp   model and optimizer state (DCP)
     optimizer_zero1.pt             zero1 only: the optimizer state consolidated on rank 0 (torch.save)
     raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR
+    consumed_ids.npy               rank 0, streaming mode: sorted ids consumed so far in the current epoch
 
 Saving is a collective: every rank must call `save_checkpoint` (DCP plans the write together; zero1 consolidates
 the optimizer on rank 0). Loading uses `weights_only=True` for the one torch file.
@@ -18,6 +19,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 STATE_FILE = "raytrain_state.json"
+CONSUMED_IDS_FILE = "consumed_ids.npy"
 ZERO1_OPTIMIZER_FILE = "optimizer_zero1.pt"
 
 
@@ -56,7 +59,9 @@ def _is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int) -> str:
+def save_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed_ids: np.ndarray
+) -> str:
     """Write this rank's share of the checkpoint into a fresh directory and return it; all ranks must call.
 
     The directory is new (`tempfile.mkdtemp`) so it can outlive the call while Ray uploads it.
@@ -74,13 +79,17 @@ def save_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer, state: T
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
+        np.save(os.path.join(directory, CONSUMED_IDS_FILE), consumed_ids.astype(np.int64))
     return directory
 
 
-def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+def load_checkpoint(
+    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[TrainState, np.ndarray]:
     """Load model and optimizer state from `directory` into the (already wrapped) model; all ranks must call.
 
-    Works at any world size: DCP reshards. Model and optimizer are set one after the other (setting both at
+    Returns the train state and the ids consumed in the current epoch (streaming mode). Works at any world
+    size: DCP reshards. Model and optimizer are set one after the other (setting both at
     once with a broadcast hangs at W >= 2, see ../shared/notes).
     """
     zero1 = _is_zero_optimizer(optimizer)
@@ -101,7 +110,8 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
             "resume with the strategy the checkpoint was written with"
         )
     with open(os.path.join(directory, STATE_FILE)) as f:
-        return TrainState(**json.load(f))
+        state = TrainState(**json.load(f))
+    return state, np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False)
 
 
 def barrier() -> None:

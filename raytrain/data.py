@@ -74,6 +74,15 @@ class IndexedData:
         return {name: np.concatenate(chunks) for name, chunks in parts.items()}
 
 
+def check_columns(dataset: Any, required: Sequence[str]) -> list[str]:
+    """Return the dataset's column names; raise `ConfigError` naming any of `required` that is missing."""
+    names = list(dataset.schema().names)
+    missing = [c for c in required if c not in names]
+    if missing:
+        raise ConfigError(f"training dataset has no column(s) {missing}; its columns are {names}")
+    return names
+
+
 def _ids_of_blocks(id_column: str | None, *tables: Any) -> np.ndarray:
     """Sample ids of all Arrow blocks in order (zeros as placeholders when raytrain numbers rows itself).
 
@@ -106,3 +115,69 @@ def steps_per_epoch(num_rows: int, global_batch: int, drop_last: bool) -> int:
 def step_positions(order: np.ndarray, step_in_epoch: int, global_batch: int) -> np.ndarray:
     """Row positions of the global batch of step `step_in_epoch` (fewer than B only for an epoch's last step)."""
     return order[step_in_epoch * global_batch : (step_in_epoch + 1) * global_batch]
+
+
+def to_tensors(columns: dict[str, np.ndarray], device: Any) -> dict[str, Any]:
+    """Numeric numpy columns as torch tensors on `device` (other columns, e.g. strings, are left out)."""
+    import torch
+
+    return {
+        name: torch.from_numpy(np.ascontiguousarray(value)).to(device)
+        for name, value in columns.items()
+        if value.dtype.kind in "biuf"
+    }
+
+
+def rank_micro_batches(
+    columns: dict[str, np.ndarray], positions: np.ndarray, plan: Any, rank: int, device: Any
+) -> list[dict[str, Any]]:
+    """Rank `rank`'s contiguous slice of a step's row `positions`, cut into its planned micro-batches (tensors)."""
+    start = plan.rank_offset(rank)
+    batches = []
+    for size in plan.micro_batches[rank]:
+        picked = positions[start : start + size]
+        batches.append(to_tensors({k: v[picked] for k, v in columns.items()}, device))
+        start += size
+    return batches
+
+
+@dataclass
+class StepData:
+    """What one rank trains on in one optimizer step."""
+
+    micro_batches: list[dict[str, Any]]  # this rank's micro-batches (column tensors)
+    plan: Any  # BatchPlan of this step (its global_batch is the step's true size)
+    ids: np.ndarray  # sample ids of the whole step in rank order (deterministic mode) or of this rank (streaming)
+
+
+class IndexedSteps:
+    """Deterministic mode's step source: step s of epoch e is `order(seed, e)[s*B:(s+1)*B]`, whatever W is."""
+
+    def __init__(self, data: IndexedData, *, seed: int, plan: Any, rank: int, device: Any, drop_last: bool) -> None:
+        self.data, self.seed, self.plan, self.rank, self.device = data, seed, plan, rank, device
+        self.columns = data.load_columns()
+        self.steps_per_epoch = steps_per_epoch(data.num_rows, plan.global_batch, drop_last)
+        self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
+
+    def next_step(self, epoch: int, step_in_epoch: int) -> StepData | None:
+        """The data of step `step_in_epoch` of `epoch`, or None when that epoch has no more steps."""
+        from raytrain.batch_plan import split_step
+
+        if step_in_epoch >= self.steps_per_epoch:
+            return None
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, epoch_order(self.data.num_rows, self.seed, epoch)
+        positions = step_positions(self._order, step_in_epoch, self.plan.global_batch)
+        plan = self.plan
+        if len(positions) != plan.global_batch:
+            plan = split_step(len(positions), plan.micro_batch_cap, plan.world_size)
+        batches = rank_micro_batches(self.columns, positions, plan, self.rank, self.device)
+        return StepData(batches, plan, self.data.ids[positions])
+
+    def global_ids(self, step: StepData) -> np.ndarray:
+        """All ids of `step` in rank order (every rank already knows them here)."""
+        return step.ids
+
+    def consumed_ids(self) -> np.ndarray:
+        """Nothing to store: the data position (epoch, step) determines the consumed ids in this mode."""
+        return np.zeros(0, dtype=np.int64)

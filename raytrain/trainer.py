@@ -102,8 +102,11 @@ class ElasticTrainer:
             checkpoint=checkpoint or CheckpointConfig(),
             cluster=cluster or ClusterConfig(),
         )
-        if not self.spec.loop.deterministic:
-            raise ConfigError("deterministic=False (streaming) is not available yet; use deterministic=True")
+        if not self.spec.loop.deterministic and not self.spec.loop.id_column:
+            raise ConfigError(
+                "id_column must name a column with a unique integer id per sample when deterministic=False: "
+                "streaming mode keeps exactly-once by id"
+            )
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
@@ -113,10 +116,13 @@ class ElasticTrainer:
         instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster)."""
         import ray
         from ray.train import CheckpointConfig as RayCheckpointConfig
+
+        # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        from raytrain.data import IndexedData
+        from raytrain.data import IndexedData, check_columns
+        from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
@@ -135,7 +141,22 @@ class ElasticTrainer:
                 num_cpus=None if address else max(os.cpu_count() or 1, int(needed + 0.999)),
                 dashboard_host="127.0.0.1",
             )
-        data = IndexedData.from_dataset(self.datasets["train"], spec.loop.id_column, self.required_columns)
+        train = self.datasets["train"]
+        loop_config: dict[str, Any] = {
+            "spec": spec,
+            "run_dir": run_dir,
+            "model_fn": self.model_fn,
+            "loss_fn": self.loss_fn,
+            "optimizer_fn": self.optimizer_fn,
+        }
+        trainer_datasets: dict[str, Any] = {}
+        if spec.loop.deterministic:
+            loop_config["data"] = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
+        else:
+            check_columns(train, (*self.required_columns, spec.loop.id_column or ""))
+            first = train.take_batch(1, batch_format="numpy")
+            loop_config["empty_batch"] = {name: column[:0] for name, column in first.items()}
+            trainer_datasets["train"] = train
         cluster = spec.cluster
         workers: int | tuple[int, int] = (
             cluster.min_workers
@@ -144,21 +165,16 @@ class ElasticTrainer:
         )
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config={
-                "spec": spec,
-                "data": data,
-                "run_dir": run_dir,
-                "model_fn": self.model_fn,
-                "loss_fn": self.loss_fn,
-                "optimizer_fn": self.optimizer_fn,
-            },
-            scaling_config=ScalingConfig(
-                num_workers=workers,
+            train_loop_config=loop_config,
+            datasets=trainer_datasets or None,
+            dataset_config=ExactSplitConfig(datasets_to_split=["train"]) if trainer_datasets else None,
+            scaling_config=ScalingConfig(  # type: ignore[call-arg]
+                num_workers=workers,  # type: ignore[arg-type]
                 use_gpu=cluster.use_gpu,
                 resources_per_worker=dict(cluster.resources_per_worker),
                 elastic_resize_monitor_interval_s=cluster.resize_monitor_interval_s,
             ),
-            run_config=RunConfig(
+            run_config=RunConfig(  # type: ignore[call-arg]
                 name=spec.checkpoint.run_name,
                 storage_path=os.path.abspath(spec.checkpoint.storage_path),
                 failure_config=FailureConfig(max_failures=cluster.max_failures),

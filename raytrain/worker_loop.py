@@ -15,25 +15,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raytrain.batch_plan import BatchPlan, split_step
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.config import TrainSpec
-from raytrain.data import IndexedData, epoch_order, step_positions, steps_per_epoch
+from raytrain.data import IndexedSteps
+from raytrain.data import rank_micro_batches as _rank_micro_batches  # noqa: F401  (kept for tests)
 from raytrain.lr_rules import lr_at_step, lr_change_on_resume
 from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
 from raytrain.rank0 import Rank0Log, resize_line
 from raytrain.strategy import resolve_strategy
+from raytrain.streaming import StreamingSteps
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 Batch = dict[str, torch.Tensor]
 
 
-def _all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum floats over ranks (float64); identity without a process group."""
-    tensor = torch.tensor(values, dtype=torch.float64)
+def _all_reduce_sum(value: float) -> float:
+    """Sum a float over ranks (float64); identity without a process group."""
+    tensor = torch.tensor([value], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-    return tensor.tolist()
+    return float(tensor.item())
 
 
 def train_step(
@@ -66,19 +67,6 @@ def train_step(
     return local_sum
 
 
-def _rank_micro_batches(
-    columns: dict[str, np.ndarray], positions: np.ndarray, plan: BatchPlan, rank: int, device: torch.device
-) -> list[Batch]:
-    """This rank's contiguous slice of the step's positions, cut into its planned micro-batches."""
-    start = plan.rank_offset(rank)
-    batches = []
-    for size in plan.micro_batches[rank]:
-        picked = positions[start : start + size]
-        batches.append({name: torch.from_numpy(col[picked]).to(device) for name, col in columns.items()})
-        start += size
-    return batches
-
-
 def _device(use_gpu: bool, local_rank: int) -> torch.device:
     """The device of this worker, from its LOCAL rank (the global rank is wrong beyond one node)."""
     if use_gpu:
@@ -88,14 +76,15 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _report(metrics: dict[str, Any], directory: str | None, wait_for_commit: bool) -> None:
-    """Every rank reports (a barrier); each attaches its checkpoint shard directory when there is one."""
+def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> None:
+    """Every rank reports (a barrier) with its checkpoint shard directory; Ray merges them into one checkpoint."""
     import ray.train
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
-    checkpoint = Checkpoint.from_directory(directory) if directory else None
-    ray.train.report(metrics, checkpoint=checkpoint, delete_local_checkpoint_after_upload=checkpoint is not None)
-    if checkpoint is not None and wait_for_commit:
+    ray.train.report(
+        metrics, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
+    )
+    if wait_for_commit:
         # Without this, a restart right after a report often restores the previous checkpoint.
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
 
@@ -105,7 +94,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     spec: TrainSpec = config["spec"]
-    data: IndexedData = config["data"]
     loss_fn: LossFn = config["loss_fn"]
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
@@ -121,12 +109,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = apply_parallelism(model, strategy, device, world)
     optimizer = build_optimizer(model, config["optimizer_fn"], peak, strategy)
 
-    state = TrainState()
+    state, consumed = TrainState(), np.zeros(0, dtype=np.int64)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            state = load_checkpoint(directory, model, optimizer)
-    previous_plan = state.plan or None
+            state, consumed = load_checkpoint(directory, model, optimizer)
     previous_lr = spec.lr.peak_lr(state.global_batch) if state.global_batch else None
     warning = lr_change_on_resume(
         spec.lr.base_lr,
@@ -147,54 +134,83 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "strategy": strategy,
             "restored": checkpoint is not None,
         },
-        line=resize_line(previous_plan, plan.to_dict(), peak, previous_lr) + f", strategy {strategy}",
+        line=resize_line(state.plan or None, plan.to_dict(), peak, previous_lr) + f", strategy {strategy}",
     )
 
-    columns = data.load_columns()
-    per_epoch = steps_per_epoch(data.num_rows, global_batch, spec.batch.drop_last)
-    max_steps = min(spec.loop.max_steps or per_epoch * spec.loop.epochs, per_epoch * spec.loop.epochs)
+    source: IndexedSteps | StreamingSteps
+    if spec.loop.deterministic:
+        source = IndexedSteps(
+            config["data"], seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
+        )
+    else:
+        source = StreamingSteps(
+            id_column=spec.loop.id_column or "",
+            seed=spec.loop.seed,
+            plan=plan,
+            rank=rank,
+            device=device,
+            shuffle_buffer=spec.loop.shuffle_buffer,
+            consumed=consumed,
+            drop_last=spec.batch.drop_last,
+            empty=config["empty_batch"],
+        )
+    max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}
-    while state.step < max_steps:
-        order = epoch_order(data.num_rows, spec.loop.seed, state.epoch)
-        positions = step_positions(order, state.step_in_epoch, global_batch)
-        step_plan = plan if len(positions) == global_batch else split_step(len(positions), plan.micro_batch_cap, world)
+    committed = state.step
+    while state.step < max_steps and state.epoch < spec.loop.epochs:
+        step = source.next_step(state.epoch, state.step_in_epoch)
+        if step is None:  # the epoch is used up; nothing is carried into the next one
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            continue
         lr = lr_at_step(state.step, peak, spec.lr.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
         torch.manual_seed(hash((spec.loop.seed, state.step, rank)) & 0x7FFF_FFFF)  # per-step RNG, restart-proof
 
         started = time.perf_counter()
-        micro_batches = _rank_micro_batches(columns, positions, step_plan, rank, device)
-        local_sum = train_step(model, optimizer, loss_fn, micro_batches, world, len(positions))
-        (loss_sum,) = _all_reduce_sum([local_sum])
-
-        state.step += 1
-        state.samples_seen += len(positions)
+        total = step.plan.global_batch
+        loss_sum = _all_reduce_sum(train_step(model, optimizer, loss_fn, step.micro_batches, world, total))
+        state.step, state.step_in_epoch = state.step + 1, state.step_in_epoch + 1
+        state.samples_seen += total
         metrics = {
             "step": state.step,
             "epoch": state.epoch,
             "world_size": world,
-            "accumulation_steps": step_plan.accumulation_steps,
-            "per_rank_samples": list(step_plan.per_rank_samples),
-            "global_batch_size": len(positions),
+            "accumulation_steps": step.plan.accumulation_steps,
+            "per_rank_samples": list(step.plan.per_rank_samples),
+            "global_batch_size": total,
             "samples_seen": state.samples_seen,
             "lr": lr,
-            "loss": loss_sum / len(positions),
+            "loss": loss_sum / total,
             "step_time_s": time.perf_counter() - started,
         }
-        log.step(metrics, data.ids[positions].tolist() if spec.loop.audit_samples else None)
-        state.step_in_epoch += 1
-        if state.step_in_epoch == per_epoch:
-            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+        ids = source.global_ids(step) if spec.loop.audit_samples else None
+        log.step(metrics, None if ids is None else ids.tolist())
         if state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps:
-            state.world_size, state.global_batch, state.plan = world, global_batch, plan.to_dict()
-            state.config = spec.to_dict()
-            directory = save_checkpoint(model, optimizer, state, rank)
-            _report(metrics, directory, spec.checkpoint.wait_for_commit)
-    log.finish(
-        {
-            "steps": state.step,
-            "epochs": state.epoch,
-            "final loss": round(metrics.get("loss", float("nan")), 6),
-        }
+            committed = _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
+    if state.step != committed and metrics:  # the last epoch ended between checkpoints
+        _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
+    log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics.get("loss", float("nan")), 6)})
+
+
+def _commit(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    rank: int,
+    source: IndexedSteps | StreamingSteps,
+    metrics: dict[str, Any],
+    spec: TrainSpec,
+    world: int,
+    plan: dict[str, Any],
+) -> int:
+    """Save and report a checkpoint of `state` (collective); returns the committed step."""
+    state.world_size, state.global_batch, state.plan, state.config = (
+        world,
+        spec.batch.global_batch,
+        plan,
+        spec.to_dict(),
     )
+    directory = save_checkpoint(model, optimizer, state, rank, source.consumed_ids())
+    _report(metrics, directory, spec.checkpoint.wait_for_commit)
+    return state.step

@@ -217,7 +217,7 @@ def world_results(tmp_path_factory: pytest.TempPathFactory):
 
     # A fresh forkserver imports torch, raytrain and this module once; every rank is then forked from it
     # (the same isolation as spawn: no thread or process group of the test process is inherited).
-    multiprocessing.set_forkserver_preload([__name__])
+    multiprocessing.set_forkserver_preload(["torch", "numpy", "raytrain.worker_loop", "torch.distributed.fsdp"])
 
     @functools.cache
     def run(world: int) -> list[dict[str, dict[str, object]]]:

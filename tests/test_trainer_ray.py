@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def make_trainer(
         lr=LRConfig(base_lr=0.2, warmup_steps=2),
         loop=LoopConfig(epochs=epochs, max_steps=steps, strategy=strategy, audit_samples=audit, id_column="id"),
         checkpoint=CheckpointConfig(storage_path=str(tmp), run_name=run, every_steps=every),
-        cluster=ClusterConfig(min_workers=workers, max_workers=workers),
+        cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=0),
         required_columns=("x", "y"),
         **kwargs,
     )
@@ -114,7 +115,7 @@ def test_missing_column_fails_before_workers_and_writes_nothing(ray_local: None,
 def test_unwritable_storage_path_fails_clearly(ray_local: None, tmp_path: Path) -> None:
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError, match="storage_path .* is not usable: .*a_file' is not a directory"):
+    with pytest.raises(ConfigError, match=r"storage_path .* is not usable: .*a_file' is not a directory"):
         make_trainer(blocker / "runs", "x", workers=1).fit()
     assert blocker.read_text() == "not a directory"
 
@@ -136,3 +137,18 @@ def test_unknown_strategy_and_bad_ranges_are_rejected_before_anything_runs() -> 
             lr=LRConfig(base_lr=0.1),
             cluster=ClusterConfig(min_workers=1, max_workers=3),
         )
+
+
+def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "stream", workers=3, audit=True)
+    trainer.spec = replace(trainer.spec, loop=replace(trainer.spec.loop, deterministic=False, shuffle_buffer=16))
+    result = trainer.fit()
+    lines = read_jsonl(result.metrics_path)
+    sizes = [m["global_batch_size"] for m in lines]
+    # Exactly B at every step but each epoch's last, which holds the remainder: 4 full steps and 10 samples.
+    assert sizes == [20, 20, 20, 20, 10] * 2
+    assert all(max(m["per_rank_samples"]) <= 20 for m in lines)
+    audit = read_jsonl(result.samples_path or "")
+    for epoch in (0, 1):
+        ids = [i for record in audit if record["epoch"] == epoch for i in record["ids"]]
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: duplicates or missing ids"
