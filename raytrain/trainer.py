@@ -68,7 +68,9 @@ class ElasticTrainer:
         loss_fn: `loss_fn(model, batch) -> Tensor[n]`, one loss per sample of the batch (a dict of column
             tensors). raytrain sums and normalises them by the global batch.
         optimizer_fn: `optimizer_fn(params, lr=...) -> torch.optim.Optimizer`.
-        datasets: {"train": ray.data.Dataset}; the columns named in `required_columns` must exist.
+        datasets: {"train": ray.data.Dataset, "val": ray.data.Dataset (optional)}; the columns named in
+            `required_columns` must exist. The validation set is materialized; its mean loss is reported as
+            `val_loss` at every checkpoint.
         batch, lr, loop, checkpoint, cluster: the configuration (see `raytrain.config`).
         required_columns: columns `loss_fn` reads; checked on the driver before any worker starts.
 
@@ -150,6 +152,8 @@ class ElasticTrainer:
             "optimizer_fn": self.optimizer_fn,
         }
         trainer_datasets: dict[str, Any] = {}
+        if self.datasets.get("val") is not None:
+            loop_config["val_data"] = IndexedData.from_dataset(self.datasets["val"], None, self.required_columns)
         if spec.loop.deterministic:
             loop_config["data"] = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
         else:

@@ -6,6 +6,7 @@ latest checkpoint (model, optimizer, step, data position), log the resize line o
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ from torch import nn
 
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.config import TrainSpec
-from raytrain.data import IndexedSteps
+from raytrain.data import IndexedSteps, to_tensors
 from raytrain.data import rank_micro_batches as _rank_micro_batches  # noqa: F401  (kept for tests)
 from raytrain.lr_rules import lr_at_step, lr_change_on_resume
 from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
@@ -65,6 +66,32 @@ def train_step(
         local_sum += float(losses.detach().sum())
     optimizer.step()
     return local_sum
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loss_fn: LossFn,
+    columns: dict[str, np.ndarray],
+    rank: int,
+    world_size: int,
+    micro_batch: int,
+    device: torch.device,
+) -> float:
+    """Mean per-sample loss over a validation set (collective). Rank r takes rows r, r+W, ...; every rank runs the
+    same number of forwards (some on empty batches), because FSDP's forward needs all ranks."""
+    rows = len(next(iter(columns.values())))
+    mine = np.arange(rank, rows, world_size)
+    largest_share = math.ceil(rows / world_size)
+    chunks = max(1, math.ceil(largest_share / micro_batch))
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for j in range(chunks):
+        picked = mine[j * micro_batch : (j + 1) * micro_batch]
+        total += float(loss_fn(model, to_tensors({k: v[picked] for k, v in columns.items()}, device)).sum())
+    model.train(was_training)
+    return _all_reduce_sum(total) / rows
 
 
 def _device(use_gpu: bool, local_rank: int) -> torch.device:
@@ -154,6 +181,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             drop_last=spec.batch.drop_last,
             empty=config["empty_batch"],
         )
+    val_data = config.get("val_data")
+    val_columns = val_data.load_columns() if val_data is not None else None
     max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}
     committed = state.step
@@ -185,8 +214,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "step_time_s": time.perf_counter() - started,
         }
         ids = source.global_ids(step) if spec.loop.audit_samples else None
+        checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
+        if checkpoint_now and val_columns is not None:
+            metrics["val_loss"] = evaluate(model, loss_fn, val_columns, rank, world, plan.micro_batch_cap, device)
         log.step(metrics, None if ids is None else ids.tolist())
-        if state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps:
+        if checkpoint_now:
             committed = _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())

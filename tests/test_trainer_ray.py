@@ -53,7 +53,9 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_path: Path) -> None:
-    result = make_trainer(tmp_path, "e2e", workers=2, audit=True).fit()
+    trainer = make_trainer(tmp_path, "e2e", workers=2, audit=True, every=5)
+    trainer.datasets["val"] = regression_dataset(25, seed=1)
+    result = trainer.fit()
     lines = read_jsonl(result.metrics_path)
     # Rank 0 alone writes: one line per optimizer step, none duplicated by other ranks.
     assert [m["step"] for m in lines] == list(range(1, 11))
@@ -75,6 +77,9 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_pa
     assert sorted(by_epoch[0]) == sorted(by_epoch[1]) == list(range(ROWS))
     assert by_epoch[0] != by_epoch[1]
     assert result.metrics is not None and result.metrics["step"] == 10
+    # Validation loss at each checkpoint (steps 5 and 10), computed over all 25 rows whatever W is.
+    assert [m["step"] for m in lines if "val_loss" in m] == [5, 10]
+    assert 0 < result.metrics["val_loss"] < 10
     assert result.checkpoint is not None
     events = read_jsonl(result.events_path)
     assert len(events) == 1 and events[0]["world_size"] == 2
