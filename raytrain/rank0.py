@@ -59,16 +59,32 @@ class Rank0Log:
         if self.active:
             print(f"[raytrain] {message}", file=self.out, flush=True)
 
-    def start(self, *, restored_step: int, event: dict[str, Any], line: str) -> None:
-        """Called once per (re)start, after restoring: trims replayed history and logs the resize line."""
+    def _last_event(self) -> dict[str, Any] | None:
+        path = self._path(EVENTS_FILE)
+        if not path or not os.path.exists(path):
+            return None
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+        return json.loads(lines[-1]) if lines else None
+
+    def start(self, *, restored_step: int, event: dict[str, Any]) -> None:
+        """Called once per (re)start, after restoring: trims replayed history, appends `event` (which holds at
+        least world_size, plan, lr, strategy) to events.jsonl and logs the resize line against the previous start."""
         if not self.active:
             return
         for name in (METRICS_FILE, SAMPLES_FILE):
             path = self._path(name)
             if path:
                 _truncate_after(path, restored_step)
-        self._append(EVENTS_FILE, {**event, "time": time.time()})
-        self.print(line)
+        previous = self._last_event()
+        event = {**event, "previous_world_size": previous["world_size"] if previous else None, "time": time.time()}
+        self._append(EVENTS_FILE, event)
+        line = resize_line(
+            previous["plan"] if previous else None, event["plan"], event["lr"], previous["lr"] if previous else None
+        )
+        self.print(
+            f"{line}, strategy {event['strategy']}" + (f", resumed at step {restored_step}" if restored_step else "")
+        )
 
     def step(self, metrics: dict[str, Any], sample_ids: list[int] | None) -> None:
         """Record one finished optimizer step (and its sample ids when auditing)."""

@@ -7,6 +7,7 @@ latest checkpoint (model, optimizer, step, data position), log the resize line o
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from raytrain.data import IndexedSteps, to_tensors
 from raytrain.data import rank_micro_batches as _rank_micro_batches  # noqa: F401  (kept for tests)
 from raytrain.lr_rules import lr_at_step, lr_change_on_resume
 from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
-from raytrain.rank0 import Rank0Log, resize_line
+from raytrain.rank0 import Rank0Log
 from raytrain.strategy import resolve_strategy
 from raytrain.streaming import StreamingSteps
 
@@ -36,6 +37,15 @@ def _all_reduce_sum(value: float) -> float:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return float(tensor.item())
+
+
+def _all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's `value` in rank order (a collective; [value] at W = 1)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def train_step(
@@ -141,7 +151,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             state, consumed = load_checkpoint(directory, model, optimizer)
-    previous_lr = spec.lr.peak_lr(state.global_batch) if state.global_batch else None
     warning = lr_change_on_resume(
         spec.lr.base_lr,
         spec.lr.base_batch or global_batch,
@@ -156,12 +165,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         event={
             "step": state.step,
             "world_size": world,
-            "previous_world_size": state.world_size or None,
             "plan": plan.to_dict(),
+            "lr": peak,
             "strategy": strategy,
             "restored": checkpoint is not None,
+            "pids": _all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
         },
-        line=resize_line(state.plan or None, plan.to_dict(), peak, previous_lr) + f", strategy {strategy}",
     )
 
     source: IndexedSteps | StreamingSteps
@@ -212,6 +221,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "lr": lr,
             "loss": loss_sum / total,
             "step_time_s": time.perf_counter() - started,
+            "time": time.time(),
         }
         ids = source.global_ids(step) if spec.loop.audit_samples else None
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps

@@ -1,0 +1,372 @@
+"""`raytrain demo`: elastic training on an embedded local Ray cluster of fake nodes, with membership events.
+
+    raytrain demo                                   # 3 fake nodes, workers 1..3, one shrink and one grow
+    raytrain demo --events "kill@10,remove@25,add@45" --audit-samples --json
+
+The head node runs the driver, Ray Train's controller and Ray Data (2 CPUs); each fake node carries one
+`worker_slot`, which every training worker requires, so removing a node removes exactly one worker. Events fire
+from a driver thread that follows `metrics.jsonl`: at the first committed-or-current step >= s it removes a node,
+adds one, or SIGKILLs one training worker process. With RAY_ADDRESS set (or under `ray job submit`) the demo
+trains on that cluster instead, and only `kill` events can be applied there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from raytrain.errors import ConfigError
+
+EVENT_KINDS = ("remove", "add", "kill")
+WORKER_SLOT = "worker_slot"
+
+
+@dataclass(frozen=True)
+class Event:
+    """A membership event applied when training first reaches optimizer step `step`."""
+
+    kind: str
+    step: int
+
+
+def parse_events(text: str) -> list[Event]:
+    """Parse ``"remove@10,add@20,kill@30"`` (or ``"none"``) into events sorted by step; `ConfigError` otherwise."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    events = []
+    for item in text.split(","):
+        kind, _, step = item.strip().partition("@")
+        if kind not in EVENT_KINDS or not step.isdigit() or int(step) < 1:
+            raise ConfigError(
+                f"events must be a comma-separated list of KIND@STEP with KIND in {', '.join(EVENT_KINDS)} and "
+                f"STEP >= 1 (or 'none'), got {item.strip()!r}"
+            )
+        events.append(Event(kind, int(step)))
+    return sorted(events, key=lambda e: e.step)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """Settings of one demo run (the CLI flags)."""
+
+    nodes: int = 3
+    min_workers: int = 1
+    max_workers: int = 3
+    global_batch: int = 96
+    micro_batch: int = 16
+    steps: int = 240
+    seed: int = 0
+    storage: str = "raytrain_runs"
+    run_name: str = ""
+    deterministic: bool = True
+    audit_samples: bool = False
+    events: str = "remove@20,add@60"
+    strategy: str = "ddp"
+    checkpoint_every: int = 5
+    epoch_steps: int = 50
+    sample_time_s: float = 0.003
+    resize_monitor_interval_s: float = 1.0
+    timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"nodes must be an integer >= 1, got {self.nodes}")
+        if self.steps < 1:
+            raise ConfigError(f"steps must be an integer >= 1, got {self.steps}")
+        parse_events(self.events)
+
+
+@dataclass(frozen=True)
+class PacedLoss:
+    """The demo's loss: `loss_fn` plus `seconds_per_sample` of simulated compute per sample, so that a toy model
+    trains at the pace of a real one (a rank with more samples takes longer) and events land mid-run."""
+
+    loss_fn: Any
+    seconds_per_sample: float
+
+    def __call__(self, model: Any, batch: dict[str, Any]) -> Any:
+        """Sleep for the batch's simulated compute, then return `loss_fn(model, batch)`."""
+        time.sleep(len(next(iter(batch.values()))) * self.seconds_per_sample)
+        return self.loss_fn(model, batch)
+
+
+@dataclass
+class AppliedEvent:
+    """An event as it happened: when, at which step, what it did."""
+
+    kind: str
+    planned_step: int
+    applied_step: int
+    time: float
+    detail: str
+    recovered_time: float | None = None
+    recovered_world_size: int | None = None
+
+
+class FakeCluster:
+    """A local Ray cluster: a head without worker slots and `nodes` fake nodes with one slot each."""
+
+    def __init__(self, nodes: int, head_cpus: int = 2) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={"num_cpus": head_cpus, "include_dashboard": False},
+        )
+        self.worker_nodes: list[Any] = []
+        for _ in range(nodes):
+            self.add_node()
+
+    @property
+    def address(self) -> str:
+        """The GCS address to `ray.init` with."""
+        return str(self.cluster.address)
+
+    def add_node(self) -> str:
+        """Start one more fake node with a worker slot."""
+        node = self.cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+        self.worker_nodes.append(node)
+        return f"added node {node.node_id[:8]}"
+
+    def remove_node(self) -> str:
+        """Kill the most recently added fake node (as a spot reclaim would: no grace period)."""
+        if not self.worker_nodes:
+            return "no fake node left to remove"
+        node = self.worker_nodes.pop()
+        self.cluster.remove_node(node, allow_graceful=False)
+        return f"removed node {node.node_id[:8]}"
+
+    def shutdown(self) -> None:
+        """Stop every node of the cluster."""
+        self.cluster.shutdown()
+
+
+def _read_jsonl(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        out = []
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:  # a line being written right now
+                break
+        return out
+
+
+class EventDriver:
+    """Follows metrics.jsonl and applies each event once training reaches its step; records recoveries.
+
+    Runs in the main thread (Ray's `Cluster.add_node` installs signal handlers, which only the main thread may).
+    """
+
+    def __init__(self, events: list[Event], run_dir: str, cluster: FakeCluster | None) -> None:
+        self.pending = list(events)
+        self.run_dir, self.cluster = run_dir, cluster
+        self.applied: list[AppliedEvent] = []
+        self.skipped: list[str] = []
+
+    def _apply(self, event: Event, step: int) -> None:
+        detail: str
+        if event.kind == "kill":
+            starts = _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+            pids = starts[-1].get("pids", []) if starts else []
+            if not pids:
+                detail = "no worker pid known"
+            else:
+                os.kill(pids[-1], signal.SIGKILL)
+                detail = f"SIGKILL worker rank {len(pids) - 1} (pid {pids[-1]})"
+        elif self.cluster is None:
+            self.skipped.append(f"{event.kind}@{event.step}: needs the demo's own fake-node cluster")
+            return
+        else:
+            detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
+        self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
+        print(f"[raytrain demo] step {step}: {event.kind}: {detail}", flush=True)
+
+    def _note_recoveries(self) -> None:
+        starts = _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+        for applied in self.applied:
+            if applied.recovered_time is not None:
+                continue
+            later = [s for s in starts if s["time"] > applied.time]
+            if later:
+                metrics = _read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+                # Recovered = the first step finished by the new worker group.
+                first = [m for m in metrics if m["step"] > later[0]["step"] and m["time"] > later[0]["time"]]
+                if first:
+                    applied.recovered_world_size = later[0]["world_size"]
+                    applied.recovered_time = first[0]["time"]
+
+    def follow(self, training: threading.Thread, timeout_s: float) -> None:
+        """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        deadline = time.monotonic() + timeout_s
+        while training.is_alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"demo training did not finish within {timeout_s:.0f} s")
+            lines = _read_jsonl(metrics_path)
+            step = lines[-1]["step"] if lines else 0
+            self._note_recoveries()
+            if self.pending and step >= self.pending[0].step:
+                self._apply(self.pending.pop(0), step)
+            training.join(timeout=0.1)
+        self._note_recoveries()
+
+
+def audit_epochs(samples_path: str, num_rows: int, completed_epochs: int) -> dict[str, Any]:
+    """Check samples.jsonl: per completed epoch, how many ids are duplicated and how many are missing."""
+    by_epoch: dict[int, list[int]] = {}
+    for record in _read_jsonl(samples_path):
+        by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
+    report = {}
+    for epoch in range(completed_epochs):
+        ids = by_epoch.get(epoch, [])
+        unique = set(ids)
+        report[str(epoch)] = {"duplicates": len(ids) - len(unique), "missing": num_rows - len(unique)}
+    return report
+
+
+def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
+    """Loss per step with the world size on a second axis and each event marked; writes a PNG to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [m["step"] for m in metrics]
+    fig, loss_axis = plt.subplots(figsize=(9, 4.5))
+    loss_axis.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("training loss", color="tab:blue")
+    world_axis = loss_axis.twinx()
+    world_axis.step(steps, [m["world_size"] for m in metrics], where="post", color="tab:orange", label="workers")
+    world_axis.set_ylabel("workers (world size)", color="tab:orange")
+    world_axis.set_ylim(0, max([m["world_size"] for m in metrics] + [1]) + 1)
+    for event in applied:
+        loss_axis.axvline(event.applied_step, color="gray", linestyle="--", linewidth=1)
+        loss_axis.annotate(
+            event.kind,
+            (event.applied_step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            fontsize=9,
+            color="gray",
+        )
+    batches = sorted({m["global_batch_size"] for m in metrics})
+    loss_axis.set_title(f"raytrain demo: global batch {batches} at every step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_demo(options: DemoOptions) -> dict[str, Any]:
+    """Run the demo end to end and return its summary (also written to <run>/summary.json)."""
+    import ray
+
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
+    from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults
+
+    events = parse_events(options.events)
+    run_name = options.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
+    external = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    apply_ray_env_defaults()
+    cluster: FakeCluster | None = None
+    if external:
+        if not ray.is_initialized():
+            ray.init()
+        resources: dict[str, float] = {"CPU": 1.0}
+    else:
+        cluster = FakeCluster(options.nodes)
+        ray.init(address=cluster.address)
+        resources = {"CPU": 1.0, WORKER_SLOT: 1.0}
+    features = 16
+    rows = options.global_batch * options.epoch_steps  # every step, the last of an epoch too, is a full batch
+    trainer = ElasticTrainer(
+        model_fn=mlp_factory(features, 256),
+        loss_fn=PacedLoss(squared_error, options.sample_time_s),
+        optimizer_fn=adamw,
+        datasets={"train": regression_dataset(rows, features, options.seed)},
+        batch=BatchConfig(global_batch=options.global_batch, micro_batch=options.micro_batch),
+        lr=LRConfig(base_lr=1e-3, base_batch=64, rule="sqrt", warmup_steps=5),
+        loop=LoopConfig(
+            epochs=10**6,
+            max_steps=options.steps,
+            strategy=options.strategy,
+            seed=options.seed,
+            deterministic=options.deterministic,
+            id_column="id",
+            audit_samples=options.audit_samples,
+            log_every=5,
+        ),
+        checkpoint=CheckpointConfig(
+            storage_path=options.storage, run_name=run_name, every_steps=options.checkpoint_every
+        ),
+        cluster=ClusterConfig(
+            min_workers=options.min_workers,
+            max_workers=options.max_workers,
+            resources_per_worker=resources,
+            resize_monitor_interval_s=options.resize_monitor_interval_s,
+        ),
+        required_columns=("x", "y"),
+    )
+    run_dir = trainer.spec.checkpoint.run_dir()
+    driver = EventDriver(events, run_dir, cluster)
+    for event in events:
+        if cluster is None and event.kind != "kill":
+            driver.skipped.append(f"{event.kind}@{event.step}: only the demo's own fake-node cluster can do this")
+    driver.pending = [e for e in events if cluster is not None or e.kind == "kill"]
+    for note in driver.skipped:
+        print(f"[raytrain demo] skipping {note}", flush=True)
+    started = time.time()
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as err:  # re-raised in the main thread below
+            outcome["error"] = err
+
+    training = threading.Thread(target=train, name="raytrain-demo-fit", daemon=True)
+    training.start()
+    try:
+        driver.follow(training, options.timeout_s)
+    finally:
+        if cluster is not None:
+            ray.shutdown()
+            cluster.shutdown()
+    if "error" in outcome:
+        raise outcome["error"]
+    result = outcome["result"]
+    metrics = _read_jsonl(result.metrics_path)
+    starts = _read_jsonl(result.events_path)
+    completed_epochs = len(metrics) // options.epoch_steps
+    summary: dict[str, Any] = {
+        "run_dir": run_dir,
+        "steps": len(metrics),
+        "wall_s": round(time.time() - started, 1),
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "global_batch_sizes": sorted({m["global_batch_size"] for m in metrics}),
+        "world_sizes": [s["world_size"] for s in starts],
+        "restarts": len(starts) - 1,
+        "events": [asdict(e) for e in driver.applied],
+        "skipped_events": driver.skipped,
+        "plot": plot_run(run_dir, driver.applied, os.path.join(run_dir, "loss_world_size.png")),
+        "metrics": result.metrics_path,
+        "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
+    }
+    if options.audit_samples and result.samples_path:
+        summary["samples"] = result.samples_path
+        summary["audit"] = audit_epochs(result.samples_path, rows, completed_epochs)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
