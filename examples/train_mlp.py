@@ -115,7 +115,9 @@ def main() -> None:
         ray.init()  # join the cluster RAY_ADDRESS names
     else:
         # Each worker takes one CPU; keep two more for Ray Data's read tasks and the Ray Train controller.
-        ray.init(num_cpus=max(4, args.workers + 2), include_dashboard=False)
+        # address="local": a new instance even when another Ray cluster runs on this machine (a bare
+        # ray.init() would join the cluster last started here, named in /tmp/ray/ray_current_cluster).
+        ray.init(address="local", num_cpus=max(4, args.workers + 2), include_dashboard=False)
 
     data_dir = os.path.join(os.path.abspath(args.storage), "data", "regression")
     write_parquet_dataset(data_dir, args.rows)
@@ -171,8 +173,10 @@ def main() -> None:
     print(f"checkpoint: {result.checkpoint.path if result.checkpoint else None}")
     if metrics:
         first, last = metrics[0], metrics[-1]
-        print(f"steps {len(metrics)}: loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step "
-              f"{last['step']} (world size {last['world_size']}, {last['accumulation_steps']} micro-steps per step)")
+        print(
+            f"steps {len(metrics)}: loss {first['loss']:.4f} at step {first['step']} -> {last['loss']:.4f} at step "
+            f"{last['step']} (world size {last['world_size']}, {last['accumulation_steps']} micro-steps per rank)"
+        )
     if result.samples_path and os.path.exists(result.samples_path):
         # The audit: every id at most once per epoch, and a full epoch uses all of them.
         by_epoch: dict[int, list[int]] = {}

@@ -136,6 +136,12 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--micro-batch", type=int, default=16, help="per-worker micro-batch cap (default %(default)s)")
     p.add_argument("--steps", type=int, default=240, help="optimizer steps (default %(default)s)")
     p.add_argument(
+        "--epoch-steps",
+        type=int,
+        default=50,
+        help="steps per epoch: the synthetic data set has global-batch x this many rows (default %(default)s)",
+    )
+    p.add_argument(
         "--sample-time",
         type=float,
         default=0.003,
@@ -184,6 +190,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         checkpoint_every=args.checkpoint_every,
         sample_time_s=args.sample_time,
+        epoch_steps=args.epoch_steps,
     )
     summary = run_demo(options)
     if args.json:

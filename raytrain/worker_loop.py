@@ -20,7 +20,6 @@ from torch import nn
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedSteps, to_tensors
-from raytrain.data import rank_micro_batches as _rank_micro_batches  # noqa: F401  (kept for tests)
 from raytrain.lr_rules import lr_at_step, lr_change_on_resume
 from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
 from raytrain.rank0 import Rank0Log

@@ -1,0 +1,61 @@
+"""The examples run end to end, as a user runs them: `python examples/<name>.py --steps N --storage DIR`.
+
+Each runs in a subprocess that starts its own local Ray instance (a Ray instance of this pytest session, if
+any, is left alone), so these tests take tens of seconds each.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 6
+TIMEOUT_S = 300
+
+
+def run_example(script: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # always a fresh local instance, never someone's cluster
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    command = [sys.executable, str(REPO / "examples" / script), "--steps", str(STEPS), "--storage", str(tmp_path)]
+    completed = subprocess.run(
+        [*command, *extra], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    output = f"{completed.stdout[-4000:]}\n{completed.stderr[-4000:]}"
+    assert completed.returncode == 0, f"{script} exited {completed.returncode}:\n{output}"
+    return completed
+
+
+def check_metrics(path: Path) -> list[dict[str, Any]]:
+    assert path.exists(), f"no metrics file at {path}"
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+    assert all(math.isfinite(m["loss"]) for m in lines)
+    return lines
+
+
+def test_train_mlp_example(tmp_path: Path) -> None:
+    completed = run_example("train_mlp.py", tmp_path)
+    lines = check_metrics(tmp_path / "mlp" / "metrics.jsonl")
+    assert {m["global_batch_size"] for m in lines} == {128}
+    assert {m["world_size"] for m in lines} == {2}
+    assert len(list((tmp_path / "data" / "regression").glob("*.parquet"))) == 4
+    assert "metrics:" in completed.stdout and f"steps {STEPS}: loss" in completed.stdout
+
+
+def test_train_char_lm_example(tmp_path: Path) -> None:
+    completed = run_example("train_char_lm.py", tmp_path, "--sample", "20")
+    lines = check_metrics(tmp_path / "char_lm" / "metrics.jsonl")
+    assert lines[0]["loss"] == pytest.approx(math.log(60), rel=0.2)  # about uniform over the 60 characters
+    # The driver loaded the final DCP checkpoint into a fresh model and sampled from it.
+    assert "greedy sample:\nShall I compare thee" in completed.stdout
