@@ -210,8 +210,8 @@ def format_summary(summary: dict) -> str:
     ]
     for event in summary["events"]:
         recovered = (
-            f"training again at world {event['recovered_world_size']} after "
-            f"{event['recovered_time'] - event['time']:.1f} s"
+            f"training again at world {event['recovered_world_size']} after {event['recovery_s']:.1f} s, "
+            f"{event['steps_lost']} steps retrained"
             if event["recovered_time"]
             else "no restart observed"
         )

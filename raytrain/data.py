@@ -16,6 +16,7 @@ epoch.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +36,9 @@ class IndexedData:
 
     block_refs: tuple[Any, ...]
     num_rows: int
-    ids: np.ndarray  # int64 sample id of every row, in row order
+    ids: np.ndarray  # int64 sample id of every position, sorted ascending
     columns: tuple[str, ...]
+    block_row_of_position: np.ndarray  # position p (id order) -> row index in block order
 
     @classmethod
     def from_dataset(cls, dataset: Any, id_column: str | None, required_columns: Sequence[str] = ()) -> IndexedData:
@@ -46,11 +48,12 @@ class IndexedData:
         """
         import ray
 
+        # Keep the row order stable when materializing; raytrain then orders rows by id, so the same ids are
+        # at the same positions in every process, whatever order a multi-file read delivers blocks in.
+        dataset = dataset.copy(dataset)
+        dataset.context.execution_options.preserve_order = True
         materialized = dataset.materialize()
-        schema_names = list(materialized.schema().names)
-        missing = [c for c in (*required_columns, *([id_column] if id_column else [])) if c not in schema_names]
-        if missing:
-            raise ConfigError(f"training dataset has no column(s) {missing}; its columns are {schema_names}")
+        schema_names = check_columns(materialized, (*required_columns, *([id_column] if id_column else [])))
         refs = tuple(materialized.to_arrow_refs())
         ids = ray.get(ray.remote(num_cpus=0)(_ids_of_blocks).remote(id_column, *refs))
         if ids.size == 0:
@@ -59,10 +62,11 @@ class IndexedData:
             ids = np.arange(ids.size, dtype=np.int64)
         elif np.unique(ids).size != ids.size:
             raise ConfigError(f"id_column {id_column!r} must hold a unique id per row; some ids repeat")
-        return cls(refs, int(ids.size), ids.astype(np.int64), tuple(schema_names))
+        by_id = np.argsort(ids, kind="stable")
+        return cls(refs, int(ids.size), ids[by_id].astype(np.int64), tuple(schema_names), by_id)
 
     def load_columns(self) -> dict[str, np.ndarray]:
-        """Fetch every block and return one numpy array per column, rows in dataset order (call in a worker)."""
+        """Fetch every block and return one numpy array per column, rows ordered by id (call in a worker)."""
         import ray
         from ray.data.block import BlockAccessor
 
@@ -71,7 +75,16 @@ class IndexedData:
             block = BlockAccessor.for_block(table).to_numpy()
             for name in self.columns:
                 parts[name].append(np.asarray(block[name]))
-        return {name: np.concatenate(chunks) for name, chunks in parts.items()}
+        return {name: _as_array(chunks)[self.block_row_of_position] for name, chunks in parts.items()}
+
+
+def _as_array(chunks: list[np.ndarray]) -> np.ndarray:
+    """Concatenate column chunks; a column of equal-length arrays (an Arrow list column) becomes a 2-D array."""
+    column = np.concatenate(chunks)
+    if column.dtype == object and len(column) and isinstance(column[0], np.ndarray):
+        with contextlib.suppress(ValueError):  # ragged lists stay an object column (and are not tensors)
+            column = np.stack(list(column))
+    return column
 
 
 def check_columns(dataset: Any, required: Sequence[str]) -> list[str]:

@@ -106,6 +106,17 @@ class AppliedEvent:
     detail: str
     recovered_time: float | None = None
     recovered_world_size: int | None = None
+    restored_step: int | None = None  # the checkpoint step the next worker group resumed from
+
+    @property
+    def steps_lost(self) -> int | None:
+        """Steps trained before the event that had to be trained again (not yet checkpointed)."""
+        return None if self.restored_step is None else max(0, self.applied_step - self.restored_step)
+
+    @property
+    def recovery_s(self) -> float | None:
+        """Seconds from the event to the first step finished by the next worker group."""
+        return None if self.recovered_time is None else self.recovered_time - self.time
 
 
 class FakeCluster:
@@ -202,6 +213,7 @@ class EventDriver:
                 if first:
                     applied.recovered_world_size = later[0]["world_size"]
                     applied.recovered_time = first[0]["time"]
+                    applied.restored_step = later[0]["step"]
 
     def follow(self, training: threading.Thread, timeout_s: float) -> None:
         """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""
@@ -358,7 +370,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         "global_batch_sizes": sorted({m["global_batch_size"] for m in metrics}),
         "world_sizes": [s["world_size"] for s in starts],
         "restarts": len(starts) - 1,
-        "events": [asdict(e) for e in driver.applied],
+        "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
         "skipped_events": driver.skipped,
         "plot": plot_run(run_dir, driver.applied, os.path.join(run_dir, "loss_world_size.png")),
         "metrics": result.metrics_path,

@@ -10,6 +10,7 @@ Ray Train V2 restarts the worker group on every resize or failure; the worker ha
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -138,11 +139,12 @@ class ElasticTrainer:
         if not ray.is_initialized():
             needed = spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1
             address = os.environ.get("RAY_ADDRESS")
-            ray.init(
-                address=address,
-                num_cpus=None if address else max(os.cpu_count() or 1, int(needed + 0.999)),
-                dashboard_host="127.0.0.1",
-            )
+            if address:  # an existing cluster (also what `ray job submit` sets)
+                ray.init(address=address)
+            else:  # always a new local instance, never another process's cluster found in /tmp/ray
+                ray.init(
+                    address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), dashboard_host="127.0.0.1"
+                )
         train = self.datasets["train"]
         loop_config: dict[str, Any] = {
             "spec": spec,

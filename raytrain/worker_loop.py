@@ -231,7 +231,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             committed = _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
-    log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics.get("loss", float("nan")), 6)})
+    if metrics:
+        log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics["loss"], 6)})
+    else:
+        log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
 
 
 def _commit(

@@ -50,6 +50,9 @@ def test_train_mlp_example(tmp_path: Path) -> None:
     assert {m["global_batch_size"] for m in lines} == {128}
     assert {m["world_size"] for m in lines} == {2}
     assert len(list((tmp_path / "data" / "regression").glob("*.parquet"))) == 4
+    audit = [json.loads(line) for line in (tmp_path / "mlp" / "samples.jsonl").read_text().splitlines()]
+    ids = [i for record in audit for i in record["ids"]]
+    assert len(ids) == len(set(ids)) == STEPS * 128  # 6 steps stay inside epoch 0: no id twice
     assert "metrics:" in completed.stdout and f"steps {STEPS}: loss" in completed.stdout
 
 

@@ -157,3 +157,21 @@ def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_pa
     for epoch in (0, 1):
         ids = [i for record in audit if record["epoch"] == epoch for i in record["ids"]]
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: duplicates or missing ids"
+
+
+def test_indexed_data_orders_rows_by_id_whatever_the_block_order(ray_local: None) -> None:
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    from raytrain.data import IndexedData
+
+    first = pa.table({"id": pa.array([5, 1, 3], pa.int64()), "x": pa.array([5.0, 1.0, 3.0])})
+    second = pa.table({"id": pa.array([0, 4, 2], pa.int64()), "x": pa.array([0.0, 4.0, 2.0])})
+    one = IndexedData.from_dataset(ray.data.from_arrow([first, second]), "id", ["x"])
+    other = IndexedData.from_dataset(ray.data.from_arrow([second, first]), "id", ["x"])
+    assert one.ids.tolist() == other.ids.tolist() == [0, 1, 2, 3, 4, 5]
+    for data in (one, other):
+        columns = data.load_columns()
+        assert np.array_equal(columns["id"], np.arange(6))
+        assert np.array_equal(columns["x"], np.arange(6, dtype=float))

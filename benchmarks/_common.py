@@ -1,0 +1,144 @@
+"""Helpers shared by the benchmark scripts (not a benchmark itself): tables, the JSON headline line, gloo worlds
+started with torch.multiprocessing, Ray start-up with raytrain's environment defaults, per-step timestamps.
+
+The scripts import this as `_common` (they run as `python benchmarks/<name>.py`, so `benchmarks/` is on sys.path).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import socket
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+# Quiet Ray before anything imports it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+# ---------------------------------------------------------------- output
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: left-aligned first column, right-aligned others."""
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_headline(result: dict[str, Any]) -> None:
+    """The last line of every benchmark: one JSON object with its headline figures."""
+    sys.stdout.flush()
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def machine_line() -> str:
+    """Load average and core count: the timing figures depend on what else runs on the machine."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return f"machine: {os.cpu_count()} CPUs, load average (1/5/15 min) {load}"
+
+
+def quiet_fsdp_warnings() -> None:
+    """FSDP2 warns that a Sequential ending in Flatten returns a view; the benchmarks do no in-place op on it."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+# ---------------------------------------------------------------- gloo worlds without Ray
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, timeout_s: int = 120) -> None:
+    """Join a gloo process group on localhost with one intra-op thread (as a Ray Train CPU worker has)."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    quiet_fsdp_warnings()
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+
+
+def spawn_world(fn: Callable[..., None], world: int, *args: Any, preload: Sequence[str] = ()) -> None:
+    """Run `fn(rank, world, port, *args)` in `world` fresh processes (forkserver: torch is imported once)."""
+    import torch.multiprocessing as mp
+
+    if preload:
+        multiprocessing.set_forkserver_preload(list(preload))
+    for attempt in range(3):
+        try:
+            mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="forkserver")
+            return
+        except mp.ProcessRaisedException as exc:  # the free port was taken before rank 0 bound it: try another
+            if attempt == 2 or "address already in use" not in str(exc).lower():
+                raise
+
+
+# ---------------------------------------------------------------- Ray
+
+
+def start_ray(num_cpus: int = 4) -> None:
+    """A lean local Ray instance under raytrain's Ray environment defaults (so every loop runs under the same
+    settings): 4 logical CPUs leave room for Ray Data beside 2 training workers on a 2-core machine."""
+    import ray
+
+    from raytrain.trainer import apply_ray_env_defaults
+
+    os.environ.pop("RAY_ADDRESS", None)
+    apply_ray_env_defaults()
+    # address="local": always a fresh instance of our own, even when another Ray cluster runs on the machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---------------------------------------------------------------- per-step timestamps
+
+
+def steady_rate(times: Sequence[float], skip: int) -> float:
+    """Steps per second over the window after the first `skip` steps: (n - 1) / (t_last - t_first)."""
+    window = list(times)[skip:]
+    if len(window) < 2:
+        return float("nan")
+    return (len(window) - 1) / (window[-1] - window[0])
+
+
+def median_interval_rate(times: Sequence[float], skip: int) -> float:
+    """1 / median interval between consecutive steps after `skip` steps (ignores occasional stalls)."""
+    window = list(times)[skip:]
+    intervals = [b - a for a, b in itertools.pairwise(window)]
+    return 1.0 / median(intervals) if intervals else float("nan")

@@ -1,0 +1,270 @@
+"""python benchmarks/communication.py [--quick]
+
+Gradient synchronisation per optimizer step with k accumulation micro-steps: raytrain's `train_step` (DDP
+`no_sync` / FSDP2 `set_requires_gradient_sync(False)` on all but the last micro-step) against a naive loop that
+runs the same micro-steps with synchronisation on every backward.
+
+How it counts (W = 2 gloo processes started with torch.multiprocessing, no Ray; the models are wrapped by
+raytrain's own `apply_parallelism`):
+    ddp          a DDP communication hook (`register_comm_hook`) that wraps torch's default `allreduce_hook` and
+                 counts calls and bucket bytes (every all-reduce DDP issues for gradients goes through it).
+    zero2/zero3  FSDP2 issues its collectives through `torch.distributed.reduce_scatter_single` and
+                 `all_gather_single` in torch 2.13 (not `reduce_scatter_tensor`); the script wraps every
+                 reduce-scatter / all-gather entry point of `torch.distributed` and counts calls and input bytes
+                 (the outermost call only). It checks that the counters really saw traffic.
+"syncs/step" is gradient bytes reduced per optimizer step divided by the bytes of one full fp32 gradient: 1.0
+means one gradient synchronisation per step whatever k is; a naive loop pays k. Reduce-scatters are counted by
+their (padded, full-size) input, so FSDP2's value can exceed 1.0 by its padding. FSDP2 parameter all-gathers
+are reported beside it: `set_requires_gradient_sync(False)` skips the reduce-scatter, not the all-gathers, so
+zero3 still gathers every unit in every micro-step's forward and backward.
+ms/step is wall time on this CPU/gloo machine, for the side-by-side ratio only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import init_gloo, print_headline, spawn_world, table
+from torch import nn
+
+from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
+from raytrain.worker_loop import train_step
+
+WORLD = 2
+FEATURES = 256
+MICRO_BATCH = 32
+STRATEGIES = ("ddp", "zero2", "zero3")
+LOOPS = ("raytrain", "naive")
+
+
+def build_model() -> nn.Module:
+    """About 0.79 M float32 parameters in three Linear layers (DDP puts them in more than one bucket)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(FEATURES, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 1), nn.Flatten(0)
+    )
+
+
+def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["x"]) - batch["y"]) ** 2
+
+
+def naive_step(model, optimizer, loss_fn, micro_batches, world_size, step_total) -> float:
+    """The same step as `train_step`, but every micro-step's backward synchronises (no no_sync)."""
+    optimizer.zero_grad(set_to_none=True)
+    scale = world_size / step_total
+    total = 0.0
+    for batch in micro_batches:
+        with gradient_sync(model, enabled=True):
+            losses = loss_fn(model, batch)
+            (losses.sum() * scale).backward()
+        total += float(losses.detach().sum())
+    optimizer.step()
+    return total
+
+
+class Counter:
+    """Calls and bytes per collective kind."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def add(self, kind: str, num_bytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + num_bytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+COUNTER = Counter()
+_DEPTH = [0]
+
+
+def _counting(kind: str, fn, tensor_arg: str, position: int):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        outermost = _DEPTH[0] == 0
+        _DEPTH[0] += 1
+        try:
+            if outermost:
+                tensor = kwargs.get(tensor_arg, args[position] if len(args) > position else None)
+                if isinstance(tensor, torch.Tensor):
+                    COUNTER.add(kind, tensor.numel() * tensor.element_size())
+            return fn(*args, **kwargs)
+        finally:
+            _DEPTH[0] -= 1
+
+    return wrapper
+
+
+def patch_collectives() -> None:
+    """Count reduce-scatters (by input) and all-gathers (by output) issued through torch.distributed."""
+    for name, kind, arg, pos in (
+        ("reduce_scatter_single", "reduce_scatter", "input", 1),
+        ("reduce_scatter_tensor", "reduce_scatter", "input", 1),
+        ("all_gather_single", "all_gather", "output_tensor", 0),
+        ("all_gather_into_tensor", "all_gather", "output_tensor", 0),
+    ):
+        if hasattr(dist, name):
+            setattr(dist, name, _counting(kind, getattr(dist, name), arg, pos))
+
+
+def ddp_counting_hook(counter, bucket):  # no annotations: DDP checks them against the real classes
+    """Count one gradient bucket, then all-reduce it exactly as DDP's default does."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    buffer = bucket.buffer()
+    counter.add("all_reduce", buffer.numel() * buffer.element_size())
+    return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default process group
+
+
+def micro_batches(rank: int, k: int, step: int) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
+    return [
+        {
+            "x": torch.randn(MICRO_BATCH, FEATURES, generator=generator),
+            "y": torch.randn(MICRO_BATCH, generator=generator),
+        }
+        for _ in range(k)
+    ]
+
+
+def measure(rank: int, strategy: str, loop: str, k: int, steps: int) -> dict[str, Any]:
+    device = torch.device("cpu")
+    model = apply_parallelism(build_model(), strategy, device, WORLD)
+    optimizer = build_optimizer(model, torch.optim.AdamW, 1e-3, strategy)
+    if strategy == "ddp":
+        model.register_comm_hook(COUNTER, ddp_counting_hook)
+    step_fn = train_step if loop == "raytrain" else naive_step
+    step_total = WORLD * k * MICRO_BATCH
+    step_fn(model, optimizer, loss_fn, micro_batches(rank, k, -1), WORLD, step_total)  # warm-up (DDP buckets)
+    dist.barrier()
+    COUNTER.reset()
+    started = time.perf_counter()
+    for step in range(steps):
+        step_fn(model, optimizer, loss_fn, micro_batches(rank, k, step), WORLD, step_total)
+    dist.barrier()
+    elapsed = time.perf_counter() - started
+    grad_bytes = sum(p.numel() * 4 for p in build_model().parameters())
+    reduced = COUNTER.bytes.get("all_reduce" if strategy == "ddp" else "reduce_scatter", 0)
+    reduce_calls = COUNTER.calls.get("all_reduce" if strategy == "ddp" else "reduce_scatter", 0)
+    return {
+        "strategy": strategy,
+        "loop": loop,
+        "k": k,
+        "reduce_calls_per_step": reduce_calls / steps,
+        "reduced_mb_per_step": reduced / steps / 1e6,
+        "syncs_per_step": reduced / steps / grad_bytes,
+        "all_gathers_per_step": COUNTER.calls.get("all_gather", 0) / steps,
+        "gathered_mb_per_step": COUNTER.bytes.get("all_gather", 0) / steps / 1e6,
+        "ms_per_step": 1000 * elapsed / steps,
+    }
+
+
+def rank_main(rank: int, world: int, port: int, ks: list[int], steps: int, out: str) -> None:
+    init_gloo(rank, world, port)
+    patch_collectives()
+    try:
+        rows = []
+        for strategy in STRATEGIES:
+            for k in ks:
+                for loop in LOOPS:
+                    rows.append(measure(rank, strategy, loop, k, steps))
+                    dist.barrier()
+        if rank == 0:
+            Path(out).write_text(json.dumps(rows))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (a smoke run of seconds)")
+    args = parser.parse_args()
+    ks = [1, 2, 4, 8]
+    steps = 2 if args.quick else 10
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        spawn_world(rank_main, WORLD, ks, steps, out, preload=["torch", "torch.distributed.fsdp", "raytrain"])
+        rows = json.loads(Path(out).read_text())
+    params = sum(p.numel() for p in build_model().parameters())
+    print(
+        f"Gradient sync per optimizer step, W = {WORLD} (gloo), {params:,} fp32 parameters "
+        f"({params * 4 / 1e6:.2f} MB of gradients), micro-batch {MICRO_BATCH}, {steps} measured steps each"
+    )
+    by_key = {(r["strategy"], r["loop"], r["k"]): r for r in rows}
+    table_rows = []
+    for r in rows:
+        naive = by_key[(r["strategy"], "naive", r["k"])]
+        table_rows.append(
+            [
+                r["strategy"],
+                r["k"],
+                r["loop"],
+                r["reduce_calls_per_step"],
+                f"{r['reduced_mb_per_step']:.2f}",
+                f"{r['syncs_per_step']:.2f}",
+                r["all_gathers_per_step"],
+                f"{r['gathered_mb_per_step']:.2f}",
+                f"{r['ms_per_step']:.1f}",
+                f"{naive['ms_per_step'] / r['ms_per_step']:.2f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "strategy",
+                "k",
+                "loop",
+                "reduce calls/step",
+                "reduced MB/step",
+                "syncs/step",
+                "all-gathers/step",
+                "gathered MB/step",
+                "ms/step",
+                "naive ms / this ms",
+            ],
+            table_rows,
+        )
+    )
+    print("reduce = DDP all-reduce (comm hook) or FSDP2 reduce-scatter (wrapped torch.distributed entry points)")
+    for strategy in STRATEGIES:
+        seen = sum(r["reduce_calls_per_step"] for r in rows if r["strategy"] == strategy)
+        if seen <= 0:
+            print(f"ERROR: no gradient reduction was counted for {strategy}: the counter does not see it")
+            sys.exit(1)
+    top = max(ks)
+    print(f"wall time {time.perf_counter() - started:.1f} s")
+    print_headline(
+        {
+            "syncs_per_step_raytrain": round(by_key[("ddp", "raytrain", top)]["syncs_per_step"], 3),
+            "syncs_per_step_naive": round(by_key[("ddp", "naive", top)]["syncs_per_step"], 3),
+            "k": top,
+            "zero3_syncs_per_step_raytrain": round(by_key[("zero3", "raytrain", top)]["syncs_per_step"], 3),
+            "zero3_syncs_per_step_naive": round(by_key[("zero3", "naive", top)]["syncs_per_step"], 3),
+            "zero3_all_gathers_per_step_raytrain": by_key[("zero3", "raytrain", top)]["all_gathers_per_step"],
+            "ddp_step_time_ratio_naive_over_raytrain": round(
+                by_key[("ddp", "naive", top)]["ms_per_step"] / by_key[("ddp", "raytrain", top)]["ms_per_step"], 3
+            ),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
