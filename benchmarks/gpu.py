@@ -361,6 +361,8 @@ def main() -> None:
         "only (DDP: one all-reduce per bucket; FSDP2: one reduce-scatter per unit), while zero3 all-gathers each "
         "unit in every micro-batch's forward and backward."
     )
+    if world == 1:
+        print("note: at W = 1 FSDP2 issues no reduce-scatter or all-gather (one shard); DDP still calls its hook.")
     print(f"wall time {time.perf_counter() - started:.1f} s")
     by = {r["strategy"]: r for r in results}
     print_headline(

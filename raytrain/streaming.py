@@ -16,11 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
-import torch.distributed as dist
 from ray.train import DataConfig
 
 from raytrain.batch_plan import BatchPlan, _even_split
+from raytrain.collectives import all_gather_ints, all_gather_objects
 
 
 class ExactSplitConfig(DataConfig):
@@ -59,24 +58,6 @@ def micro_split(take: list[int], micro_batch_cap: int) -> tuple[tuple[int, ...],
     """Per-rank micro-batch sizes for counts `take`: the fewest accumulation steps with no micro-batch above the cap."""
     steps = max(1, max(-(-t // micro_batch_cap) for t in take))
     return tuple(tuple(_even_split(t, steps)) for t in take)
-
-
-def _all_gather_ints(values: list[int]) -> list[list[int]]:
-    tensor = torch.tensor(values, dtype=torch.int64)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [values]
-    out = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, tensor)
-    return [t.tolist() for t in out]
-
-
-def all_gather_arrays(array: np.ndarray) -> list[np.ndarray]:
-    """Every rank's int64 array, in rank order (a collective; identity at W = 1)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [array]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, array)
-    return gathered
 
 
 class StreamingShard:
@@ -145,7 +126,7 @@ def agree_step(shard: StreamingShard, need: list[int], rank: int, global_batch: 
     target = need[rank]
     while True:
         shard.fill(target)
-        rows = _all_gather_ints([shard.buffered, int(shard.exhausted)])
+        rows = all_gather_ints([shard.buffered, int(shard.exhausted)])
         available = [r[0] for r in rows]
         take = take_counts(need, available, global_batch)
         short = global_batch - sum(take)
@@ -225,9 +206,9 @@ class StreamingSteps:
 
     def global_ids(self, step: Any) -> np.ndarray:
         """All ids of `step` in rank order (collective)."""
-        return np.concatenate(all_gather_arrays(np.asarray(step.ids, dtype=np.int64)))
+        return np.concatenate(all_gather_objects(np.asarray(step.ids, dtype=np.int64)))
 
     def consumed_ids(self) -> np.ndarray:
         """Sorted ids consumed so far in the current epoch by all ranks (collective); saved in checkpoints."""
         local = np.concatenate(self.consumed_now) if self.consumed_now else np.zeros(0, dtype=np.int64)
-        return np.union1d(self.consumed_before, np.concatenate(all_gather_arrays(local.astype(np.int64))))
+        return np.union1d(self.consumed_before, np.concatenate(all_gather_objects(local.astype(np.int64))))

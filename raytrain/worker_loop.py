@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedSteps, to_tensors
 from raytrain.lr_rules import lr_at_step, lr_change_on_resume
@@ -28,23 +28,6 @@ from raytrain.streaming import StreamingSteps
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 Batch = dict[str, torch.Tensor]
-
-
-def _all_reduce_sum(value: float) -> float:
-    """Sum a float over ranks (float64); identity without a process group."""
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return float(tensor.item())
-
-
-def _all_gather_objects(value: Any) -> list[Any]:
-    """Every rank's `value` in rank order (a collective; [value] at W = 1)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
 
 
 def train_step(
@@ -100,7 +83,7 @@ def evaluate(
         picked = mine[j * micro_batch : (j + 1) * micro_batch]
         total += float(loss_fn(model, to_tensors({k: v[picked] for k, v in columns.items()}, device)).sum())
     model.train(was_training)
-    return _all_reduce_sum(total) / rows
+    return all_reduce_sum(total) / rows
 
 
 def _device(use_gpu: bool, local_rank: int) -> torch.device:
@@ -168,7 +151,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             "lr": peak,
             "strategy": strategy,
             "restored": checkpoint is not None,
-            "pids": _all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
+            "pids": all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
         },
     )
 
@@ -206,7 +189,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         started = time.perf_counter()
         total = step.plan.global_batch
-        loss_sum = _all_reduce_sum(train_step(model, optimizer, loss_fn, step.micro_batches, world, total))
+        loss_sum = all_reduce_sum(train_step(model, optimizer, loss_fn, step.micro_batches, world, total))
         state.step, state.step_in_epoch = state.step + 1, state.step_in_epoch + 1
         state.samples_seen += total
         metrics = {
