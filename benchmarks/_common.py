@@ -110,15 +110,36 @@ def spawn_world(fn: Callable[..., None], world: int, *args: Any, preload: Sequen
 
 def start_ray(num_cpus: int = 4) -> None:
     """A lean local Ray instance under raytrain's Ray environment defaults (so every loop runs under the same
-    settings): 4 logical CPUs leave room for Ray Data beside 2 training workers on a 2-core machine."""
+    settings): 4 logical CPUs leave room for Ray Data beside 2 training workers on a 2-core machine.
+
+    Guard against other Ray clusters on the same machine: Ray Train V2's PlacementGroupCleaner asks the Ray
+    *state API* whether the run's controller is alive. Without an explicit address it finds the API server
+    through /tmp/ray/ray_current_cluster, i.e. the most recently started cluster on the machine, which may be
+    someone else's; that dashboard answers "no such actor", the cleaner concludes the controller is dead and
+    removes the live run's placement group ("A worker health check failed ... Destroying worker since its
+    placement group was removed"). Seen here while other sessions ran Ray. Our instance has no dashboard, so
+    point the state API at an address where nothing listens: the cleaner then only logs "Failed to query"
+    (which it tolerates) and never removes a placement group of a live run.
+    """
     import ray
 
     from raytrain.trainer import apply_ray_env_defaults
 
     os.environ.pop("RAY_ADDRESS", None)
+    os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")  # inherited by raylet and workers
     apply_ray_env_defaults()
     # address="local": always a fresh instance of our own, even when another Ray cluster runs on the machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def stop_ray() -> None:
+    """Shut Ray down before the results are printed: Ray's own warnings reach stdout asynchronously, and the
+    JSON line must be the last one."""
+    import ray
+
+    ray.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

@@ -191,7 +191,10 @@ def main() -> None:
         + ". 'params MB after fwd' is what the rank holds right after the forward, inside the step: there "
         "zero2 holds the full parameters, as the ZeRO accounting says.\n"
         "note: at W = 1 raytrain wraps nothing (zero1 still uses ZeroRedundancyOptimizer), so every strategy "
-        "holds the full state."
+        "holds the full state.\n"
+        "note: not model states and not counted: DDP's gradient buckets (raytrain builds DDP with the default "
+        "gradient_as_bucket_view=False, so the reducer holds a second copy of the gradients, 4 bytes per "
+        "parameter), FSDP2's gathered parameters and gradients of the unit being computed, activations."
     )
     checks = {w: totals[("zero3", w)] <= 1.1 * totals[("ddp", w)] / w for w in worlds}
     print(

@@ -224,6 +224,114 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "fit",
+        help="train from a TOML config file (on RAY_ADDRESS's cluster, or a local Ray instance)",
+        description="Run a training job described by a TOML file (see raytrain/fit_config.py for the format). "
+        "Flags override the file. With RAY_ADDRESS set (as under `ray job submit`) it trains on that cluster; "
+        "otherwise it starts a local Ray instance.",
+        epilog="examples:\n"
+        "  raytrain fit examples/fit_mlp.toml --dry-run\n"
+        "  raytrain fit examples/fit_mlp.toml --workers 2:3 --steps 40 --storage /tmp/runs\n"
+        "  ray job submit --address http://127.0.0.1:8265 --working-dir . -- raytrain fit examples/fit_mlp.toml",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", help="path to the TOML file")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start no worker")
+    p.add_argument("--workers", help="override [cluster] min/max_workers: MIN:MAX or N")
+    p.add_argument("--global-batch", type=int, help="override [batch] global_batch")
+    p.add_argument("--micro-batch", type=int, help="override [batch] micro_batch")
+    p.add_argument("--steps", type=int, help="override [loop] max_steps")
+    p.add_argument("--epochs", type=int, help="override [loop] epochs")
+    p.add_argument("--strategy", help="override [loop] strategy")
+    p.add_argument("--seed", type=int, help="override [loop] seed")
+    p.add_argument("--storage", help="override [checkpoint] storage_path")
+    p.add_argument("--run-name", help="override [checkpoint] run_name")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
+    p.set_defaults(run=_run_fit)
+
+
+def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    from raytrain.batch_plan import parse_worker_range
+
+    table = {
+        "batch": {"global_batch": args.global_batch, "micro_batch": args.micro_batch},
+        "loop": {"max_steps": args.steps, "epochs": args.epochs, "strategy": args.strategy, "seed": args.seed},
+        "checkpoint": {"storage_path": args.storage, "run_name": args.run_name},
+        "cluster": {},
+    }
+    if args.workers:
+        low, high = parse_worker_range(args.workers)
+        table["cluster"] = {"min_workers": low, "max_workers": high}
+    return {section: {k: v for k, v in values.items() if v is not None} for section, values in table.items()}
+
+
+def _run_fit(args: argparse.Namespace) -> int:
+    from raytrain.fit_config import describe_plan, parse_fit_config
+
+    job = parse_fit_config(args.config, _fit_overrides(args))
+    if args.dry_run:
+        print(describe_plan(job))
+        return 0
+    from raytrain.trainer import ElasticTrainer
+
+    trainer = ElasticTrainer(
+        model_fn=job.entries["model"],
+        loss_fn=job.entries["loss"],
+        optimizer_fn=job.entries["optimizer"],
+        datasets=_build_datasets(job),
+        batch=job.spec.batch,
+        lr=job.spec.lr,
+        loop=job.spec.loop,
+        checkpoint=job.spec.checkpoint,
+        cluster=job.spec.cluster,
+        required_columns=job.required_columns,
+    )
+    result = trainer.fit()
+    summary = fit_summary(result)
+    print(json.dumps(summary) if args.json else "\n".join(f"{k:<16}{v}" for k, v in summary.items()))
+    return 0
+
+
+def _build_datasets(job: object) -> dict:
+    """Call the datasets builder after Ray is up (a local instance unless RAY_ADDRESS names a cluster)."""
+    import os
+
+    import ray
+
+    from raytrain.trainer import apply_ray_env_defaults
+
+    apply_ray_env_defaults()
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS")
+        ray.init(address=address) if address else ray.init(address="local", dashboard_host="127.0.0.1")
+    datasets = job.entries["datasets"]()  # type: ignore[attr-defined]
+    if not isinstance(datasets, dict) or "train" not in datasets:
+        raise ConfigError(
+            f"the datasets entry must return a dict with a 'train' dataset, got {type(datasets).__name__}"
+        )
+    return datasets
+
+
+def fit_summary(result: object) -> dict:
+    """The end-of-run summary: steps, epochs, restarts, final loss, where things are."""
+    metrics = []
+    with open(result.metrics_path) as f:  # type: ignore[attr-defined]
+        metrics = [json.loads(line) for line in f if line.strip()]
+    with open(result.events_path) as f:  # type: ignore[attr-defined]
+        starts = [json.loads(line) for line in f if line.strip()]
+    return {
+        "run_dir": result.run_dir,  # type: ignore[attr-defined]
+        "steps": metrics[-1]["step"] if metrics else 0,
+        "epochs": metrics[-1]["epoch"] + 1 if metrics else 0,
+        "world_sizes": [s["world_size"] for s in starts],
+        "restarts": max(0, len(starts) - 1),
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,  # type: ignore[attr-defined]
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `raytrain` argument parser with all subcommands."""
     parser = argparse.ArgumentParser(
@@ -235,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(subparsers)
     _add_demo_parser(subparsers)
+    _add_fit_parser(subparsers)
     return parser
 
 

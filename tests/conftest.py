@@ -20,6 +20,6 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     apply_ray_env_defaults()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()

@@ -1,0 +1,144 @@
+"""`raytrain fit`: a training job described by a TOML file.
+
+    raytrain fit examples/fit_mlp.toml [--workers 2:3] [--steps 50] [--dry-run]
+
+The file names Python entries for the builders and holds the config fields, one table per config dataclass:
+
+    [entry]                       # "module:function" or "path/to/file.py:function" (relative to the file)
+    model = "fit_entry.py:model"          # () -> torch.nn.Module
+    loss = "fit_entry.py:loss"            # (model, batch) -> Tensor[n]
+    optimizer = "fit_entry.py:optimizer"  # (params, lr) -> torch.optim.Optimizer
+    datasets = "fit_entry.py:datasets"    # () -> {"train": ray.data.Dataset, "val"?: ...}  (called on the driver)
+    required_columns = ["x", "y"]
+
+    [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
+    [checkpoint] -> CheckpointConfig [cluster] -> ClusterConfig
+
+Unknown tables or keys are errors that name the key and the valid ones. Command-line flags override file values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, TrainSpec
+from raytrain.errors import ConfigError
+
+SECTIONS: dict[str, type] = {
+    "batch": BatchConfig,
+    "lr": LRConfig,
+    "loop": LoopConfig,
+    "checkpoint": CheckpointConfig,
+    "cluster": ClusterConfig,
+}
+ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Parse the TOML file at `path`; `ConfigError` naming the file for a missing file or bad syntax."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path!r} is not valid TOML: {err}") from None
+
+
+def _check_keys(where: str, given: dict[str, Any], valid: list[str]) -> None:
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {unknown} in [{where}]; valid keys are {sorted(valid)}")
+
+
+def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
+    """Import "module:attr" or "file.py:attr" (a path relative to `base_dir`); `ConfigError` when it fails.
+
+    A module loaded from a file is registered with cloudpickle to be shipped by value, so Ray workers that cannot
+    import it by name still get the function.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"entry {spec!r} must look like 'module:function' or 'path/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            path = os.path.join(base_dir, module_name)
+            name = "raytrain_entry_" + os.path.splitext(os.path.basename(path))[0]
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            if loader_spec is None or loader_spec.loader is None or not os.path.exists(path):
+                raise ConfigError(f"entry {spec!r}: file {path!r} does not exist")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module
+            loader_spec.loader.exec_module(module)
+            import cloudpickle
+
+            cloudpickle.register_pickle_by_value(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"entry {spec!r}: cannot import {module_name!r}: {err}") from None
+    function = getattr(module, attr, None)
+    if not callable(function):
+        raise ConfigError(f"entry {spec!r}: {module_name!r} has no callable {attr!r}")
+    return function
+
+
+@dataclasses.dataclass(frozen=True)
+class FitJob:
+    """A parsed config file: the validated spec and the (not yet called) builders."""
+
+    spec: TrainSpec
+    entries: dict[str, Callable[..., Any]]
+    required_columns: tuple[str, ...]
+
+
+def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = None) -> FitJob:
+    """Read, merge `overrides` ({section: {key: value}}) over the file, validate everything, import the entries."""
+    raw = read_toml(path)
+    _check_keys("top level", raw, ["entry", *SECTIONS])
+    entry = dict(raw.get("entry", {}))
+    _check_keys("entry", entry, [*ENTRY_KEYS, "required_columns"])
+    missing = [k for k in ENTRY_KEYS if k not in entry]
+    if missing:
+        raise ConfigError(f"[entry] is missing {missing}; it needs {list(ENTRY_KEYS)}")
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        values = {**raw.get(name, {}), **(overrides or {}).get(name, {})}
+        _check_keys(name, values, [f.name for f in dataclasses.fields(cls)])
+        try:
+            sections[name] = cls(**values)
+        except TypeError as err:  # a required field missing
+            raise ConfigError(f"[{name}]: {err}".replace("__init__() ", "")) from None
+    base_dir = os.path.dirname(os.path.abspath(path))
+    entries = {key: load_entry(entry[key], base_dir) for key in ENTRY_KEYS}
+    return FitJob(TrainSpec(**sections), entries, tuple(entry.get("required_columns", ())))
+
+
+def describe_plan(job: FitJob) -> str:
+    """The dry-run report: the batch plan for every W in [min, max], the memory table and the strategy."""
+    from raytrain.memory_plan import count_parameters, format_memory_table, plan_memory
+
+    spec = job.spec
+    lines = [f"global batch {spec.batch.global_batch}, micro-batch cap {spec.batch.micro_batch}"]
+    for world in range(spec.cluster.min_workers, spec.cluster.max_workers + 1):
+        lines.append("  " + spec.batch.plan(world).describe())
+    lines.append(
+        f"lr: peak {spec.lr.peak_lr(spec.batch.global_batch):.3e} ({spec.lr.rule} rule, warmup {spec.lr.warmup_steps})"
+    )
+    model = job.entries["model"]()
+    total, largest = count_parameters(model)
+    memory = plan_memory(total, spec.cluster.max_workers, optimizer="adam", largest_layer_params=largest)
+    lines.append(f"model: {total:,} parameters (largest layer {largest:,})")
+    lines.append(format_memory_table(memory))
+    lines.append(f"strategy: {spec.loop.strategy}")
+    return "\n".join(lines)

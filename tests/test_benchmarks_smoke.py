@@ -1,0 +1,93 @@
+"""Every benchmark runs with `--quick` as a user runs it (`python benchmarks/<name>.py --quick`), exits 0 and ends
+with one JSON line holding its headline figures. Speed is never asserted: the figures depend on the machine.
+
+Each runs in a subprocess; the Ray ones start their own local Ray instance (a Ray instance of this pytest session,
+if any, is left alone) and take about a minute each on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 400
+
+
+def run_benchmark(script: str, *args: str) -> dict[str, Any]:
+    env = dict(os.environ)
+    env.pop("RAY_ADDRESS", None)  # always a fresh local instance, never someone's cluster
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), *(args or ("--quick",))],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+    output = f"{completed.stdout[-4000:]}\n{completed.stderr[-4000:]}"
+    assert completed.returncode == 0, f"{script} exited {completed.returncode}:\n{output}"
+    lines = completed.stdout.strip().splitlines()
+    assert lines, f"{script} printed nothing:\n{output}"
+    headline = json.loads(lines[-1])
+    assert isinstance(headline, dict), lines[-1]
+    assert len(lines) > 1, f"{script} printed no table before its JSON line"
+    return headline
+
+
+def test_communication_quick() -> None:
+    headline = run_benchmark("communication.py")
+    assert {"syncs_per_step_raytrain", "syncs_per_step_naive"} <= headline.keys()
+    # Counts, not timings: raytrain syncs once per optimizer step, the naive loop once per micro-step.
+    assert headline["syncs_per_step_raytrain"] == pytest.approx(1.0)
+    assert headline["syncs_per_step_naive"] == pytest.approx(headline["k"])
+    assert headline["zero3_syncs_per_step_raytrain"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_memory_quick() -> None:
+    headline = run_benchmark("memory.py")
+    assert "worst_planner_error" in headline
+    assert headline["worst_planner_error"] < 0.1
+    assert headline["zero3_within_1_1_ddp_over_w"] is True
+
+
+def test_gpu_quick_skips_or_runs() -> None:
+    headline = run_benchmark("gpu.py")
+    if headline.get("skipped"):
+        assert headline == {"skipped": True, "reason": "no CUDA"}
+    else:
+        assert {"tokens_per_s_ddp", "tokens_per_s_zero3", "mfu_ddp", "mfu_zero3"} <= headline.keys()
+
+
+def test_gpu_code_path_runs_on_cpu() -> None:
+    """The GPU benchmark's training code (tiny GPT, gloo, W = 2) runs where no GPU is: `--cpu-check`."""
+    headline = run_benchmark("gpu.py", "--cpu-check")
+    assert headline["skipped"] is False and headline["world_size"] == 2
+    assert headline["all_reduces_per_step_ddp"] >= 1  # one sync (all its buckets) per optimizer step
+    assert headline["reduce_scatters_per_step_zero3"] >= 1
+    assert headline["tokens_per_s_ddp"] > 0 and headline["tokens_per_s_zero3"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_overhead_quick() -> None:
+    headline = run_benchmark("overhead.py")
+    assert {"overhead_ratio", "raytrain_steps_per_s", "plain_steps_per_s"} <= headline.keys()
+    assert headline["overhead_ratio"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_input_pipeline_quick() -> None:
+    headline = run_benchmark("input_pipeline.py")
+    assert "data_wait_fraction" in headline
+    assert 0 <= headline["data_wait_fraction"] < 1
