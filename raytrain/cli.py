@@ -13,8 +13,13 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from raytrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raytrain.fit_config import FitJob
+    from raytrain.trainer import FitResult
 
 EXIT_USAGE = 2
 
@@ -200,7 +205,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict[str, Any]) -> str:
     """The demo's summary for people."""
     lines = [
         f"run directory   {summary['run_dir']}",
@@ -294,7 +299,7 @@ def _run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_datasets(job: object) -> dict:
+def _build_datasets(job: FitJob) -> dict[str, Any]:
     """Call the datasets builder after Ray is up (a local instance unless RAY_ADDRESS names a cluster)."""
     import os
 
@@ -306,7 +311,7 @@ def _build_datasets(job: object) -> dict:
     if not ray.is_initialized():
         address = os.environ.get("RAY_ADDRESS")
         ray.init(address=address) if address else ray.init(address="local", dashboard_host="127.0.0.1")
-    datasets = job.entries["datasets"]()  # type: ignore[attr-defined]
+    datasets = job.entries["datasets"]()
     if not isinstance(datasets, dict) or "train" not in datasets:
         raise ConfigError(
             f"the datasets entry must return a dict with a 'train' dataset, got {type(datasets).__name__}"
@@ -314,21 +319,21 @@ def _build_datasets(job: object) -> dict:
     return datasets
 
 
-def fit_summary(result: object) -> dict:
+def fit_summary(result: FitResult) -> dict[str, Any]:
     """The end-of-run summary: steps, epochs, restarts, final loss, where things are."""
     metrics = []
-    with open(result.metrics_path) as f:  # type: ignore[attr-defined]
+    with open(result.metrics_path) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
-    with open(result.events_path) as f:  # type: ignore[attr-defined]
+    with open(result.events_path) as f:
         starts = [json.loads(line) for line in f if line.strip()]
     return {
-        "run_dir": result.run_dir,  # type: ignore[attr-defined]
+        "run_dir": result.run_dir,
         "steps": metrics[-1]["step"] if metrics else 0,
         "epochs": metrics[-1]["epoch"] + 1 if metrics else 0,
         "world_sizes": [s["world_size"] for s in starts],
         "restarts": max(0, len(starts) - 1),
         "final_loss": metrics[-1]["loss"] if metrics else None,
-        "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,  # type: ignore[attr-defined]
+        "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
     }
 
 

@@ -42,6 +42,7 @@ class Rank0Log:
         self.log_every = log_every
         self.out = out
         self._started = time.monotonic()
+        self.total_steps: int | None = None  # for the progress bar, when known
         if self.active and run_dir:
             os.makedirs(run_dir, exist_ok=True)
 
@@ -97,7 +98,8 @@ class Rank0Log:
         if step % self.log_every == 0 or step == 1:
             rate = metrics["global_batch_size"] / max(metrics["step_time_s"], 1e-9)
             self.print(
-                f"step {step:>5} | epoch {metrics['epoch']} | loss {metrics['loss']:.4f} | "
+                f"{progress_bar(step, self.total_steps)}step {step:>5} | epoch {metrics['epoch']} | "
+                f"loss {metrics['loss']:.4f} | "
                 f"world {metrics['world_size']} | lr {metrics['lr']:.3e} | {rate:,.0f} samples/s"
             )
 
@@ -108,6 +110,14 @@ class Rank0Log:
             + ", ".join(f"{k} {v}" for k, v in summary.items())
             + f" ({time.monotonic() - self._started:.1f} s in this worker group)"
         )
+
+
+def progress_bar(step: int, total: int | None, width: int = 20) -> str:
+    """``[#######.............]  35% `` for `step` of `total`, or "" when the total is unknown."""
+    if not total:
+        return ""
+    done = min(width, width * step // total)
+    return f"[{'#' * done}{'.' * (width - done)}] {100 * step // total:>3}% "
 
 
 def resize_line(previous: dict[str, Any] | None, current: dict[str, Any], lr: float, previous_lr: float | None) -> str:

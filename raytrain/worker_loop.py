@@ -175,6 +175,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     val_data = config.get("val_data")
     val_columns = val_data.load_columns() if val_data is not None else None
     max_steps = spec.loop.max_steps or 2**62
+    if isinstance(source, IndexedSteps):
+        log.total_steps = min(max_steps, source.steps_per_epoch * spec.loop.epochs)
+    elif spec.loop.max_steps:
+        log.total_steps = spec.loop.max_steps
     metrics: dict[str, Any] = {}
     committed = state.step
     while state.step < max_steps and state.epoch < spec.loop.epochs:

@@ -1,0 +1,87 @@
+"""Pure helpers of the loop, the streaming step agreement, the demo and rank-0 logging (no Ray, no workers)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from raytrain.batch_plan import plan_batch
+from raytrain.demo import Event, parse_events
+from raytrain.errors import ConfigError
+from raytrain.rank0 import Rank0Log, progress_bar, resize_line
+from raytrain.streaming import micro_split, take_counts
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(1, 64))
+def test_take_counts_fills_the_batch_from_whoever_has_rows(available: list[int], global_batch: int) -> None:
+    world = len(available)
+    if world > global_batch:
+        return
+    need = list(plan_batch(global_batch, 8, world).per_rank_samples)
+    take = take_counts(need, available, global_batch)
+    assert all(0 <= t <= a for t, a in zip(take, available, strict=True))
+    # Exactly B when the ranks together have B rows; otherwise everything that is there (the epoch's last step).
+    assert sum(take) == min(global_batch, sum(available))
+    # Where every rank has its planned share, it takes exactly that.
+    if all(a >= n for a, n in zip(available, need, strict=True)):
+        assert take == need
+
+
+def test_micro_split_keeps_the_cap_with_uneven_counts() -> None:
+    micro = micro_split([10, 3, 0], 4)
+    assert [sum(row) for row in micro] == [10, 3, 0]
+    assert all(len(row) == 3 and max(row) <= 4 for row in micro)
+
+
+def test_parse_events() -> None:
+    assert parse_events("add@20, remove@10,kill@30") == [Event("remove", 10), Event("add", 20), Event("kill", 30)]
+    assert parse_events("none") == []
+    for bad in ("explode@3", "remove@0", "remove", "add@x"):
+        with pytest.raises(ConfigError, match="events must be a comma-separated list of KIND@STEP"):
+            parse_events(bad)
+
+
+def test_resize_line_names_both_sizes_and_the_unchanged_batch_and_lr() -> None:
+    three, two = plan_batch(96, 32, 3).to_dict(), plan_batch(96, 32, 2).to_dict()
+    line = resize_line(three, two, 3e-3, 3e-3)
+    assert line == (
+        "world 3 -> 2: accumulation 1 -> 2, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged), "
+        "lr 3.0e-03 (unchanged)"
+    )
+    assert resize_line(None, three, 3e-3, None).startswith("world 3: accumulation 1")
+
+
+def test_progress_bar() -> None:
+    assert progress_bar(5, 20) == "[#####...............]  25% "
+    assert progress_bar(5, None) == ""
+
+
+def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path) -> None:
+    plan = plan_batch(8, 4, 2).to_dict()
+    event = {"step": 0, "world_size": 2, "plan": plan, "lr": 0.1, "strategy": "ddp"}
+    other = Rank0Log(1, str(tmp_path / "other"), audit=True, log_every=1)
+    other.start(restored_step=0, event=event)
+    assert not (tmp_path / "other").exists()
+    log = Rank0Log(0, str(tmp_path), audit=True, log_every=100)
+    log.start(restored_step=0, event=event)
+    for step in range(1, 6):
+        metrics = {
+            "step": step,
+            "epoch": 0,
+            "world_size": 2,
+            "global_batch_size": 8,
+            "step_time_s": 0.1,
+            "loss": 1.0,
+            "lr": 0.1,
+        }
+        log.step(metrics, [step])
+    log.start(restored_step=3, event={**event, "step": 3})  # a restart from the step-3 checkpoint
+    metrics_steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    sample_steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert metrics_steps == sample_steps == [1, 2, 3]
+    starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [s["previous_world_size"] for s in starts] == [None, 2]
