@@ -17,7 +17,8 @@ means one gradient synchronisation per step whatever k is; a naive loop pays k. 
 their (padded, full-size) input, so FSDP2's value can exceed 1.0 by its padding. FSDP2 parameter all-gathers
 are reported beside it: `set_requires_gradient_sync(False)` skips the reduce-scatter, not the all-gathers, so
 zero3 still gathers every unit in every micro-step's forward and backward.
-ms/step is wall time on this CPU/gloo machine, for the side-by-side ratio only.
+ms/step is the median wall time of a step on rank 0 (CPU/gloo), the two loops' steps interleaved; for the
+side-by-side ratio only.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -143,36 +145,52 @@ def micro_batches(rank: int, k: int, step: int) -> list[dict[str, torch.Tensor]]
     ]
 
 
-def measure(rank: int, strategy: str, loop: str, k: int, steps: int) -> dict[str, Any]:
+def measure(rank: int, strategy: str, k: int, steps: int) -> list[dict[str, Any]]:
+    """Both loops on two identical models, their steps interleaved (alternating order), so that the machine's
+    load drifts equally over both; collectives are attributed to the loop whose step issued them."""
     device = torch.device("cpu")
-    model = apply_parallelism(build_model(), strategy, device, WORLD)
-    optimizer = build_optimizer(model, torch.optim.AdamW, 1e-3, strategy)
-    if strategy == "ddp":
-        model.register_comm_hook(COUNTER, ddp_counting_hook)
-    step_fn = train_step if loop == "raytrain" else naive_step
+    setups = {}
+    for loop in LOOPS:
+        model = apply_parallelism(build_model(), strategy, device, WORLD)
+        optimizer = build_optimizer(model, torch.optim.AdamW, 1e-3, strategy)
+        if strategy == "ddp":
+            model.register_comm_hook(COUNTER, ddp_counting_hook)
+        setups[loop] = (model, optimizer, train_step if loop == "raytrain" else naive_step)
     step_total = WORLD * k * MICRO_BATCH
-    step_fn(model, optimizer, loss_fn, micro_batches(rank, k, -1), WORLD, step_total)  # warm-up (DDP buckets)
-    dist.barrier()
-    COUNTER.reset()
-    started = time.perf_counter()
+    for model, optimizer, step_fn in setups.values():  # warm-up (DDP builds its buckets in the first step)
+        step_fn(model, optimizer, loss_fn, micro_batches(rank, k, -1), WORLD, step_total)
+    seconds: dict[str, list[float]] = {loop: [] for loop in LOOPS}
+    calls: dict[str, dict[str, int]] = {loop: {} for loop in LOOPS}
+    nbytes: dict[str, dict[str, int]] = {loop: {} for loop in LOOPS}
     for step in range(steps):
-        step_fn(model, optimizer, loss_fn, micro_batches(rank, k, step), WORLD, step_total)
+        for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
+            model, optimizer, step_fn = setups[loop]
+            dist.barrier()
+            COUNTER.reset()
+            started = time.perf_counter()
+            step_fn(model, optimizer, loss_fn, micro_batches(rank, k, step), WORLD, step_total)
+            seconds[loop].append(time.perf_counter() - started)
+            for kind, n in COUNTER.calls.items():
+                calls[loop][kind] = calls[loop].get(kind, 0) + n
+            for kind, n in COUNTER.bytes.items():
+                nbytes[loop][kind] = nbytes[loop].get(kind, 0) + n
     dist.barrier()
-    elapsed = time.perf_counter() - started
     grad_bytes = sum(p.numel() * 4 for p in build_model().parameters())
-    reduced = COUNTER.bytes.get("all_reduce" if strategy == "ddp" else "reduce_scatter", 0)
-    reduce_calls = COUNTER.calls.get("all_reduce" if strategy == "ddp" else "reduce_scatter", 0)
-    return {
-        "strategy": strategy,
-        "loop": loop,
-        "k": k,
-        "reduce_calls_per_step": reduce_calls / steps,
-        "reduced_mb_per_step": reduced / steps / 1e6,
-        "syncs_per_step": reduced / steps / grad_bytes,
-        "all_gathers_per_step": COUNTER.calls.get("all_gather", 0) / steps,
-        "gathered_mb_per_step": COUNTER.bytes.get("all_gather", 0) / steps / 1e6,
-        "ms_per_step": 1000 * elapsed / steps,
-    }
+    reduce_kind = "all_reduce" if strategy == "ddp" else "reduce_scatter"
+    return [
+        {
+            "strategy": strategy,
+            "loop": loop,
+            "k": k,
+            "reduce_calls_per_step": calls[loop].get(reduce_kind, 0) / steps,
+            "reduced_mb_per_step": nbytes[loop].get(reduce_kind, 0) / steps / 1e6,
+            "syncs_per_step": nbytes[loop].get(reduce_kind, 0) / steps / grad_bytes,
+            "all_gathers_per_step": calls[loop].get("all_gather", 0) / steps,
+            "gathered_mb_per_step": nbytes[loop].get("all_gather", 0) / steps / 1e6,
+            "ms_per_step": 1000 * statistics.median(seconds[loop]),
+        }
+        for loop in LOOPS
+    ]
 
 
 def rank_main(rank: int, world: int, port: int, ks: list[int], steps: int, out: str) -> None:
@@ -182,9 +200,7 @@ def rank_main(rank: int, world: int, port: int, ks: list[int], steps: int, out: 
         rows = []
         for strategy in STRATEGIES:
             for k in ks:
-                for loop in LOOPS:
-                    rows.append(measure(rank, strategy, loop, k, steps))
-                    dist.barrier()
+                rows.extend(measure(rank, strategy, k, steps))
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
@@ -197,7 +213,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="k in {1, 8}, one measured step (a smoke run)")
     args = parser.parse_args()
     ks = [1, 8] if args.quick else [1, 2, 4, 8]
-    steps = 1 if args.quick else 10
+    steps = 1 if args.quick else 12
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
@@ -207,7 +223,8 @@ def main() -> None:
     print(machine_line())
     print(
         f"Gradient sync per optimizer step, W = {WORLD} (gloo), {params:,} fp32 parameters "
-        f"({params * 4 / 1e6:.2f} MB of gradients), micro-batch {MICRO_BATCH}, {steps} measured steps each"
+        f"({params * 4 / 1e6:.2f} MB of gradients), micro-batch {MICRO_BATCH}, "
+        f"{steps} measured steps of each loop, interleaved"
     )
     by_key = {(r["strategy"], r["loop"], r["k"]): r for r in rows}
     table_rows = []

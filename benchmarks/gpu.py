@@ -40,9 +40,6 @@ import torch.nn.functional as F
 from _common import free_port, print_headline, quiet_fsdp_warnings, table
 from torch import nn
 
-from raytrain.parallelize import apply_parallelism, build_optimizer
-from raytrain.worker_loop import train_step
-
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
 
@@ -171,6 +168,8 @@ def ddp_counting_hook(counter, bucket):  # no annotations: DDP checks them again
 
 def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> nn.Module:
     """raytrain's `apply_parallelism`; at W = 1 (where raytrain wraps nothing) the same wrapping by hand."""
+    from raytrain.parallelize import apply_parallelism
+
     if strategy == "plain":
         return model.to(device)
     if world > 1:
@@ -188,6 +187,10 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> n
 
 
 def run_strategy(strategy: str, rank: int, world: int, device: torch.device, args: dict[str, Any]) -> dict[str, Any]:
+    # raytrain is imported here, not at the top, so that the "no CUDA" answer needs nothing beyond torch.
+    from raytrain.parallelize import build_optimizer
+    from raytrain.worker_loop import train_step
+
     c = GPTConfig(**args["gpt"])
     model = build_gpt(c)
     n_params = sum(p.numel() for p in model.parameters())

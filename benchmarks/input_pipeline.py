@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each mode (default 2)")
     args = parser.parse_args()
     if args.quick:  # streaming only (the headline), one epoch
-        reps, steps_per_epoch, every, skip, epochs, modes = 1, 20, 100, 3, 1, ["streaming"]
+        reps, steps_per_epoch, every, skip, epochs, modes = 1, 15, 100, 3, 1, ["streaming"]
     else:
         reps, steps_per_epoch, every, skip, epochs = args.reps, 60, 50, 10, 2
         modes = ["streaming", "deterministic"]

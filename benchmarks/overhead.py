@@ -248,7 +248,7 @@ def main() -> None:
     parser.add_argument("--no-streaming", action="store_true", help="skip raytrain's deterministic=False variant")
     args = parser.parse_args()
     if args.quick:
-        reps, steps_per_epoch, every, skip, variants = 1, 15, 10, 5, ["raytrain", "plain"]
+        reps, steps_per_epoch, every, skip, variants = 1, 12, 8, 4, ["raytrain", "plain"]
     else:
         reps, steps_per_epoch, every, skip = args.reps, 80, 30, 10
         variants = ["raytrain", "plain"] if args.no_streaming else ["raytrain", "plain", "raytrain-streaming"]

@@ -78,7 +78,7 @@ def test_gpu_code_path_runs_on_cpu() -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_overhead_quick() -> None:
     headline = run_benchmark("overhead.py")
     assert {"overhead_ratio", "raytrain_steps_per_s", "plain_steps_per_s"} <= headline.keys()
@@ -86,7 +86,7 @@ def test_overhead_quick() -> None:
 
 
 @pytest.mark.ray
-@pytest.mark.slow
+@pytest.mark.benchmark
 def test_input_pipeline_quick() -> None:
     headline = run_benchmark("input_pipeline.py")
     assert "data_wait_fraction" in headline
