@@ -301,16 +301,9 @@ def _run_fit(args: argparse.Namespace) -> int:
 
 def _build_datasets(job: FitJob) -> dict[str, Any]:
     """Call the datasets builder after Ray is up (a local instance unless RAY_ADDRESS names a cluster)."""
-    import os
+    from raytrain.trainer import connect_ray
 
-    import ray
-
-    from raytrain.trainer import apply_ray_env_defaults
-
-    apply_ray_env_defaults()
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS")
-        ray.init(address=address) if address else ray.init(address="local", dashboard_host="127.0.0.1")
+    connect_ray()
     datasets = job.entries["datasets"]()
     if not isinstance(datasets, dict) or "train" not in datasets:
         raise ConfigError(

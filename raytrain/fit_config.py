@@ -115,10 +115,15 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
     for name, cls in SECTIONS.items():
         values = {**raw.get(name, {}), **(overrides or {}).get(name, {})}
         _check_keys(name, values, [f.name for f in dataclasses.fields(cls)])
-        try:
-            sections[name] = cls(**values)
-        except TypeError as err:  # a required field missing
-            raise ConfigError(f"[{name}]: {err}".replace("__init__() ", "")) from None
+        required = [
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
+        absent = [key for key in required if key not in values]
+        if absent:
+            raise ConfigError(f"[{name}] is missing required key(s) {absent}")
+        sections[name] = cls(**values)
     base_dir = os.path.dirname(os.path.abspath(path))
     entries = {key: load_entry(entry[key], base_dir) for key in ENTRY_KEYS}
     return FitJob(TrainSpec(**sections), entries, tuple(entry.get("required_columns", ())))

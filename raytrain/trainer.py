@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,39 @@ def check_storage_writable(path: str) -> None:
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         what = "is not a directory" if not os.path.isdir(probe) else "is not writable"
         raise ConfigError(f"storage_path {path!r} is not usable: {probe!r} {what}")
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise `ConfigError` when a "host:port" Ray address does not accept a TCP connection within `timeout_s`.
+
+    `ray.init` itself retries an unreachable address for minutes; this turns that into one clear line.
+    """
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local" and other forms are left to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {err}") from None
+
+
+def connect_ray(local_cpus: int = 1) -> None:
+    """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
+    `local_cpus` logical CPUs; never join another process's cluster found in /tmp/ray. No-op when connected.
+
+    Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them.
+    """
+    import ray
+
+    apply_ray_env_defaults()
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
+        ray.init(address=address)
+    else:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), dashboard_host="127.0.0.1")
 
 
 def apply_ray_env_defaults() -> None:
@@ -117,7 +151,6 @@ class ElasticTrainer:
     def fit(self) -> FitResult:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
         instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster)."""
-        import ray
         from ray.train import CheckpointConfig as RayCheckpointConfig
 
         # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
@@ -135,16 +168,7 @@ class ElasticTrainer:
             )
         run_dir = spec.checkpoint.run_dir()
         check_storage_writable(run_dir)
-        apply_ray_env_defaults()
-        if not ray.is_initialized():
-            needed = spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1
-            address = os.environ.get("RAY_ADDRESS")
-            if address:  # an existing cluster (also what `ray job submit` sets)
-                ray.init(address=address)
-            else:  # always a new local instance, never another process's cluster found in /tmp/ray
-                ray.init(
-                    address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(needed)), dashboard_host="127.0.0.1"
-                )
+        connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
         loop_config: dict[str, Any] = {
             "spec": spec,

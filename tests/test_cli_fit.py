@@ -1,0 +1,94 @@
+"""`raytrain fit` input handling through the real console script: dry run, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = str(REPO / "examples" / "fit_mlp.toml")
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    command = [
+        shutil.which("raytrain") or sys.executable,
+        *([] if shutil.which("raytrain") else ["-m", "raytrain.cli"]),
+    ]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}
+    )
+
+
+def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_path: Path) -> None:
+    result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"))
+    assert result.returncode == 0, result.stderr
+    assert "world 2: accumulation 2, samples/rank [32,32]" in result.stdout
+    assert "world 3: accumulation 2, samples/rank [22,21,21]" in result.stdout
+    assert "zero3" in result.stdout and "strategy: ddp" in result.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+ENTRY = f"""[entry]
+model = "{REPO}/examples/fit_entry.py:model"
+loss = "{REPO}/examples/fit_entry.py:loss"
+optimizer = "{REPO}/examples/fit_entry.py:optimizer"
+datasets = "{REPO}/examples/fit_entry.py:datasets"
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            ENTRY + "[batch]\nglobal_batch = 8\nmicro_batch = 2\nmicrobatch = 3\n[lr]\nbase_lr = 0.1\n",
+            "unknown key(s) ['microbatch'] in [batch]; valid keys are ['drop_last', 'global_batch', 'micro_batch']",
+        ),
+        (
+            ENTRY + "[batch]\nglobal_batch = 8\n[lr]\nbase_lr = 0.1\n",
+            "[batch] is missing required key(s) ['micro_batch']",
+        ),
+        ('[entry]\nmodel = "x:y"\n', "[entry] is missing ['loss', 'optimizer', 'datasets']"),
+        (
+            ENTRY + "[batch]\nglobal_batch = 8\nmicro_batch = 2\n[lr]\nbase_lr = 0.1\n"
+            "[cluster]\nmin_workers = 3\nmax_workers = 2\n",
+            "min_workers must be <= max_workers, got min_workers=3 > max_workers=2",
+        ),
+        (
+            ENTRY.replace("fit_entry.py:model", "fit_entry.py:nope") + "[batch]\nglobal_batch = 8\nmicro_batch = 2\n"
+            "[lr]\nbase_lr = 0.1\n",
+            "has no callable 'nope'",
+        ),
+        ("[entry\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_is_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
+    result = run_cli("fit", write(tmp_path, text), "--dry-run")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_cluster_address_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = run_cli("fit", EXAMPLE, "--storage", str(tmp_path), env={"RAY_ADDRESS": "127.0.0.1:1"})
+    assert result.returncode == 2
+    assert "cannot reach the Ray cluster at RAY_ADDRESS='127.0.0.1:1'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unwritable_storage_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    result = run_cli("fit", EXAMPLE, "--storage", str(blocker / "runs"), "--steps", "1")
+    assert result.returncode == 2
+    assert "is not a directory" in result.stderr and "Traceback" not in result.stderr
