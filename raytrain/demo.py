@@ -107,11 +107,14 @@ class AppliedEvent:
     recovered_time: float | None = None
     recovered_world_size: int | None = None
     restored_step: int | None = None  # the checkpoint step the next worker group resumed from
+    peak_step: int = 0  # the furthest step trained between the event and the restart
 
     @property
     def steps_lost(self) -> int | None:
-        """Steps trained before the event that had to be trained again (not yet checkpointed)."""
-        return None if self.restored_step is None else max(0, self.applied_step - self.restored_step)
+        """Steps trained before the restart that had to be trained again (done after the last checkpoint)."""
+        return (
+            None if self.restored_step is None else max(0, max(self.peak_step, self.applied_step) - self.restored_step)
+        )
 
     @property
     def recovery_s(self) -> float | None:
@@ -224,6 +227,9 @@ class EventDriver:
                 raise TimeoutError(f"demo training did not finish within {timeout_s:.0f} s")
             lines = _read_jsonl(metrics_path)
             step = lines[-1]["step"] if lines else 0
+            for applied in self.applied:
+                if applied.recovered_time is None:
+                    applied.peak_step = max(applied.peak_step, step)
             self._note_recoveries()
             if self.pending and step >= self.pending[0].step:
                 self._apply(self.pending.pop(0), step)
