@@ -314,11 +314,9 @@ def _build_datasets(job: FitJob) -> dict[str, Any]:
 
 def fit_summary(result: FitResult) -> dict[str, Any]:
     """The end-of-run summary: steps, epochs, restarts, final loss, where things are."""
-    metrics = []
-    with open(result.metrics_path) as f:
-        metrics = [json.loads(line) for line in f if line.strip()]
-    with open(result.events_path) as f:
-        starts = [json.loads(line) for line in f if line.strip()]
+    from raytrain.rank0 import read_jsonl
+
+    metrics, starts = read_jsonl(result.metrics_path), read_jsonl(result.events_path)
     return {
         "run_dir": result.run_dir,
         "steps": metrics[-1]["step"] if metrics else 0,

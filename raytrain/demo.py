@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from raytrain.errors import ConfigError
+from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, read_jsonl
 
 EVENT_KINDS = ("remove", "add", "kill")
 WORKER_SLOT = "worker_slot"
@@ -160,19 +161,6 @@ class FakeCluster:
         self.cluster.shutdown()
 
 
-def _read_jsonl(path: str) -> list[dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        out = []
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
-                break
-        return out
-
-
 class EventDriver:
     """Follows metrics.jsonl and applies each event once training reaches its step; records recoveries.
 
@@ -188,7 +176,7 @@ class EventDriver:
     def _apply(self, event: Event, step: int) -> None:
         detail: str
         if event.kind == "kill":
-            starts = _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+            starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
             pids = starts[-1].get("pids", []) if starts else []
             if not pids:
                 detail = "no worker pid known"
@@ -204,13 +192,13 @@ class EventDriver:
         print(f"[raytrain demo] step {step}: {event.kind}: {detail}", flush=True)
 
     def _note_recoveries(self) -> None:
-        starts = _read_jsonl(os.path.join(self.run_dir, "events.jsonl"))
+        starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
         for applied in self.applied:
             if applied.recovered_time is not None:
                 continue
             later = [s for s in starts if s["time"] > applied.time]
             if later:
-                metrics = _read_jsonl(os.path.join(self.run_dir, "metrics.jsonl"))
+                metrics = read_jsonl(os.path.join(self.run_dir, METRICS_FILE))
                 # Recovered = the first step finished by the new worker group.
                 first = [m for m in metrics if m["step"] > later[0]["step"] and m["time"] > later[0]["time"]]
                 if first:
@@ -220,12 +208,12 @@ class EventDriver:
 
     def follow(self, training: threading.Thread, timeout_s: float) -> None:
         """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        metrics_path = os.path.join(self.run_dir, METRICS_FILE)
         deadline = time.monotonic() + timeout_s
         while training.is_alive():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"demo training did not finish within {timeout_s:.0f} s")
-            lines = _read_jsonl(metrics_path)
+            lines = read_jsonl(metrics_path)
             step = lines[-1]["step"] if lines else 0
             for applied in self.applied:
                 if applied.recovered_time is None:
@@ -240,7 +228,7 @@ class EventDriver:
 def audit_epochs(samples_path: str, num_rows: int, completed_epochs: int) -> dict[str, Any]:
     """Check samples.jsonl: per completed epoch, how many ids are duplicated and how many are missing."""
     by_epoch: dict[int, list[int]] = {}
-    for record in _read_jsonl(samples_path):
+    for record in read_jsonl(samples_path):
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
     report = {}
     for epoch in range(completed_epochs):
@@ -257,7 +245,7 @@ def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    metrics = _read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    metrics = read_jsonl(os.path.join(run_dir, METRICS_FILE))
     steps = [m["step"] for m in metrics]
     fig, loss_axis = plt.subplots(figsize=(9, 4.5))
     loss_axis.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
@@ -365,8 +353,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
-    metrics = _read_jsonl(result.metrics_path)
-    starts = _read_jsonl(result.events_path)
+    metrics = read_jsonl(result.metrics_path)
+    starts = read_jsonl(result.events_path)
     completed_epochs = len(metrics) // options.epoch_steps
     summary: dict[str, Any] = {
         "run_dir": run_dir,

@@ -15,11 +15,27 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 EVENTS_FILE = "events.jsonl"
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file written here ([] when it does not exist yet). Stops at a line that is still
+    being written, so it is safe to call while training appends to the file."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return records
 
 
 def _truncate_after(path: str, step: int) -> None:
@@ -87,13 +103,14 @@ class Rank0Log:
             f"{line}, strategy {event['strategy']}" + (f", resumed at step {restored_step}" if restored_step else "")
         )
 
-    def step(self, metrics: dict[str, Any], sample_ids: list[int] | None) -> None:
+    def step(self, metrics: dict[str, Any], sample_ids: Iterable[int] | None) -> None:
         """Record one finished optimizer step (and its sample ids when auditing)."""
         if not self.active:
             return
         self._append(METRICS_FILE, metrics)
         if self.audit and sample_ids is not None:
-            self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": sample_ids})
+            ids = [int(i) for i in sample_ids]
+            self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": ids})
         step = metrics["step"]
         if step % self.log_every == 0 or step == 1:
             rate = metrics["global_batch_size"] / max(metrics["step_time_s"], 1e-9)

@@ -213,7 +213,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
         if checkpoint_now and val_columns is not None:
             metrics["val_loss"] = evaluate(model, loss_fn, val_columns, rank, world, plan.micro_batch_cap, device)
-        log.step(metrics, None if ids is None else ids.tolist())
+        log.step(metrics, ids)  # converted to a list on rank 0 only
         if checkpoint_now:
             committed = _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
