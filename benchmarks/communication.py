@@ -40,7 +40,8 @@ import torch.distributed as dist
 from _common import init_gloo, machine_line, print_headline, spawn_world, table
 from torch import nn
 
-from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
+from raytrain.optim import build_optimizer
+from raytrain.parallelize import apply_parallelism, gradient_sync
 from raytrain.worker_loop import train_step
 
 WORLD = 2

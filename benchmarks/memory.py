@@ -37,7 +37,8 @@ from _common import init_gloo, machine_line, print_headline, spawn_world, table
 from torch import nn
 
 from raytrain.memory_plan import model_state_bytes
-from raytrain.parallelize import apply_parallelism, build_optimizer
+from raytrain.optim import build_optimizer
+from raytrain.parallelize import apply_parallelism
 from raytrain.worker_loop import train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -40,17 +39,31 @@ ZERO1_OPTIMIZER_FILE = "optimizer_zero1.pt"
 class TrainState:
     """Where training stands after `step` completed optimizer steps; the JSON part of a checkpoint.
 
-    `epoch` and `step_in_epoch` are the data position of the NEXT step to run.
+    `epoch` and `sample_in_epoch` are the data position of the NEXT step: how many samples of epoch `epoch`'s
+    order are consumed. It is kept in samples, not steps, so a resume with another global batch continues at the
+    same sample. `base_batch` and `peak_lr` let such a resume rescale the LR by its rule.
     """
 
     step: int = 0
     epoch: int = 0
-    step_in_epoch: int = 0
+    sample_in_epoch: int = 0
     samples_seen: int = 0
     world_size: int = 0
     global_batch: int = 0
+    base_batch: int = 0
+    peak_lr: float = 0.0
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> TrainState:
+        """Read a stored state, also one written by raytrain 0.1 (data position in steps, no base batch)."""
+        record = dict(record)
+        if "step_in_epoch" in record:  # 0.1: every step of an epoch but its last held exactly global_batch samples
+            record.setdefault("sample_in_epoch", record.pop("step_in_epoch") * record.get("global_batch", 0))
+        record.setdefault("base_batch", record.get("global_batch", 0))
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in known})
 
 
 def _is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -110,11 +123,5 @@ def load_checkpoint(
             "resume with the strategy the checkpoint was written with"
         )
     with open(os.path.join(directory, STATE_FILE)) as f:
-        state = TrainState(**json.load(f))
+        state = TrainState.from_json(json.load(f))
     return state, np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False)
-
-
-def barrier() -> None:
-    """A process-group barrier when one exists (no-op at world size 1)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args
 
 from raytrain.batch_plan import BatchPlan, plan_batch
 from raytrain.errors import ConfigError
-from raytrain.lr_rules import peak_lr, validate_lr_rule
+from raytrain.lr_rules import lr_factor, peak_lr, validate_lr_rule, validate_schedule
 
 StrategyName = Literal["auto", "ddp", "zero1", "zero2", "zero3"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
@@ -50,19 +50,29 @@ class BatchConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LRConfig:
-    """The learning rate, fitted to the global batch (never to the world size).
+    """The learning rate, fitted to the global batch (never to the world size), and its schedule over the steps.
 
     Attributes:
         base_lr: an LR known to be right at `base_batch` (> 0).
-        base_batch: the global batch at which `base_lr` is right; defaults to the configured global batch.
-        rule: how the LR follows the global batch: "linear", "sqrt" or "none".
+        base_batch: the global batch at which `base_lr` is right. Default: the global batch of the run's first
+            start, which checkpoints keep, so resuming with another global batch rescales the LR by `rule`.
+        rule: how the peak LR follows the global batch: "linear", "sqrt" or "none".
         warmup_steps: optimizer steps of linear warmup to the peak LR (>= 0).
+        schedule: after warmup, "constant" (the peak), or "cosine" / "linear" decay to `min_lr_ratio` x peak
+            at the end of the run (see `raytrain.lr_rules`). Every parameter group's own LR is multiplied by the
+            same factor, so groups keep their ratios.
+        min_lr_ratio: the decaying schedules' final LR as a fraction of the peak, in [0, 1].
+        decay_steps: the steps the decay spans (>= 1); default: the run's total steps (`max_steps`, or the steps
+            `epochs` take at the global batch).
     """
 
     base_lr: float
     base_batch: int | None = None
     rule: str = "linear"
     warmup_steps: int = 0
+    schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    decay_steps: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.base_lr, bool) or not isinstance(self.base_lr, int | float) or not self.base_lr > 0:
@@ -71,10 +81,30 @@ class LRConfig:
             _int_at_least("base_batch", self.base_batch, 1)
         validate_lr_rule(self.rule)
         _int_at_least("warmup_steps", self.warmup_steps, 0)
+        validate_schedule(self.schedule)
+        if (
+            isinstance(self.min_lr_ratio, bool)
+            or not isinstance(self.min_lr_ratio, int | float)
+            or not 0.0 <= self.min_lr_ratio <= 1.0
+        ):
+            raise ConfigError(f"min_lr_ratio must be a number in [0, 1], got {self.min_lr_ratio!r}")
+        if self.decay_steps is not None:
+            _int_at_least("decay_steps", self.decay_steps, 1)
 
-    def peak_lr(self, global_batch: int) -> float:
-        """The LR after warmup for `global_batch` under `rule`."""
-        return peak_lr(self.base_lr, self.base_batch or global_batch, global_batch, self.rule)
+    def peak_lr(self, global_batch: int, base_batch: int | None = None) -> float:
+        """The LR after warmup for `global_batch` under `rule`; `base_batch` (e.g. a checkpoint's) is used when
+        the config gives none, else the global batch itself."""
+        return peak_lr(self.base_lr, self.base_batch or base_batch or global_batch, global_batch, self.rule)
+
+    def factor(self, step: int, total_steps: int | None) -> float:
+        """The LR of optimizer step `step` as a fraction of the peak (warmup, then the schedule)."""
+        return lr_factor(
+            step,
+            warmup_steps=self.warmup_steps,
+            schedule=self.schedule,
+            total_steps=self.decay_steps or total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,10 +118,14 @@ class LoopConfig:
             full shard) or "auto" (the memory planner's choice for the model and devices).
         seed: seeds the model initialisation, the per-epoch sample order and the per-step RNG.
         deterministic: sample order is a function of (seed, epoch) only, independent of the world size, so loss
-            curves at different world sizes agree step by step. Needs the training set to fit in the object
-            store (it is materialized once). False streams shards with `get_dataset_shard` (any size).
+            curves at different world sizes agree step by step for models without random operations in training
+            (dropout and other random ops draw from a generator seeded per (step, rank), so their draws depend on
+            how the batch is split; see `raytrain.worker_loop.seed_step`). Needs the training set to fit in the
+            object store (it is materialized once). False streams shards with `get_dataset_shard` (any size).
         id_column: a column holding a unique integer id per sample. Without it raytrain numbers the rows itself
             (this materializes the dataset once on the driver).
+        max_grad_norm: clip the gradient of each step's whole global batch to this 2-norm (> 0), as one process
+            on one big batch would; None (default) does not clip. The norm is reported as `grad_norm`.
         audit_samples: rank 0 writes the ids of every committed step to `<run>/samples.jsonl`.
         shuffle_buffer: local shuffle buffer (rows) per worker in streaming mode.
         log_every: progress line on rank 0 every this many steps (>= 1).
@@ -103,6 +137,7 @@ class LoopConfig:
     seed: int = 0
     deterministic: bool = True
     id_column: str | None = None
+    max_grad_norm: float | None = None
     audit_samples: bool = False
     shuffle_buffer: int = 1024
     log_every: int = 10
@@ -114,6 +149,12 @@ class LoopConfig:
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         _int_at_least("seed", self.seed, 0)
+        if self.max_grad_norm is not None and (
+            isinstance(self.max_grad_norm, bool)
+            or not isinstance(self.max_grad_norm, int | float)
+            or not 0 < self.max_grad_norm < float("inf")
+        ):
+            raise ConfigError(f"max_grad_norm must be a finite number > 0 or None, got {self.max_grad_norm!r}")
         _int_at_least("shuffle_buffer", self.shuffle_buffer, 1)
         _int_at_least("log_every", self.log_every, 1)
 

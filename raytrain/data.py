@@ -3,9 +3,10 @@
 Deterministic mode (`LoopConfig.deterministic=True`, the default)
     The driver materializes the training set once into Ray's object store (`IndexedData.from_dataset`), and
     every worker loads the blocks into memory as numpy columns. The epoch order is a permutation of row
-    positions drawn from (seed, epoch) alone; optimizer step s of the epoch uses positions
-    `order[s*B:(s+1)*B]`, and rank r takes the contiguous slice the batch plan gives it. The order therefore does
-    not depend on the world size, a restart resumes at step s exactly, and loss curves at different W agree.
+    positions drawn from (seed, epoch) alone; the next optimizer step uses positions `order[p:p+B]`, where p is
+    the number of samples of the epoch consumed so far, and rank r takes the contiguous slice the batch plan
+    gives it. The order therefore does not depend on the world size, a restart resumes at sample p exactly (also
+    with another global batch), and loss curves at different W agree.
     Cost: the whole training set lives in the object store once and in every worker's memory once; it suits
     data sets up to a few GB on a node (the examples use a few MB).
 
@@ -120,14 +121,40 @@ def steps_per_epoch(num_rows: int, global_batch: int, drop_last: bool) -> int:
     steps = num_rows // global_batch if drop_last else -(-num_rows // global_batch)
     if steps == 0:
         raise ConfigError(
-            f"global_batch ({global_batch}) is larger than the training set ({num_rows} rows) with drop_last=True"
+            f"global_batch ({global_batch}) is larger than the training set ({num_rows} rows) with drop_last=True: "
+            "no step would ever run; lower global_batch or set drop_last=False"
         )
     return steps
 
 
-def step_positions(order: np.ndarray, step_in_epoch: int, global_batch: int) -> np.ndarray:
-    """Row positions of the global batch of step `step_in_epoch` (fewer than B only for an epoch's last step)."""
-    return order[step_in_epoch * global_batch : (step_in_epoch + 1) * global_batch]
+def steps_left_in_epoch(num_rows: int, global_batch: int, drop_last: bool, sample_in_epoch: int) -> int:
+    """Steps still to run in an epoch whose first `sample_in_epoch` samples are consumed."""
+    left = max(0, num_rows - sample_in_epoch)
+    return left // global_batch if drop_last else -(-left // global_batch)
+
+
+def run_total_steps(
+    *,
+    num_rows: int,
+    global_batch: int,
+    drop_last: bool,
+    epochs: int,
+    max_steps: int | None,
+    step: int,
+    epoch: int,
+    sample_in_epoch: int,
+) -> int:
+    """The run's length in optimizer steps seen from position (step, epoch, sample_in_epoch): the steps done plus
+    the steps the remaining epochs take at `global_batch`, capped by `max_steps`. A function of the data and the
+    global batch only, never of the world size."""
+    left = steps_left_in_epoch(num_rows, global_batch, drop_last, sample_in_epoch) if epoch < epochs else 0
+    left += max(0, epochs - epoch - 1) * steps_per_epoch(num_rows, global_batch, drop_last)
+    return min(step + left, max_steps) if max_steps is not None else step + left
+
+
+def step_positions(order: np.ndarray, sample_in_epoch: int, global_batch: int) -> np.ndarray:
+    """Row positions of the global batch that starts at `sample_in_epoch` (fewer than B only at an epoch's end)."""
+    return order[sample_in_epoch : sample_in_epoch + global_batch]
 
 
 def to_tensors(columns: dict[str, np.ndarray], device: Any) -> dict[str, Any]:
@@ -164,23 +191,26 @@ class StepData:
 
 
 class IndexedSteps:
-    """Deterministic mode's step source: step s of epoch e is `order(seed, e)[s*B:(s+1)*B]`, whatever W is."""
+    """Deterministic mode's step source: the step at position p of epoch e is `order(seed, e)[p:p+B]`, whatever W
+    is."""
 
     def __init__(self, data: IndexedData, *, seed: int, plan: Any, rank: int, device: Any, drop_last: bool) -> None:
         self.data, self.seed, self.plan, self.rank, self.device = data, seed, plan, rank, device
+        self.drop_last = drop_last
+        self.num_rows = data.num_rows
         self.columns = data.load_columns()
-        self.steps_per_epoch = steps_per_epoch(data.num_rows, plan.global_batch, drop_last)
         self._epoch, self._order = -1, np.zeros(0, dtype=np.int64)
 
-    def next_step(self, epoch: int, step_in_epoch: int) -> StepData | None:
-        """The data of step `step_in_epoch` of `epoch`, or None when that epoch has no more steps."""
+    def next_step(self, epoch: int, sample_in_epoch: int) -> StepData | None:
+        """The data of the step that starts at sample `sample_in_epoch` of `epoch`'s order, or None when that
+        epoch has no more steps (nothing left, or less than a global batch left with `drop_last`)."""
         from raytrain.batch_plan import split_step
 
-        if step_in_epoch >= self.steps_per_epoch:
+        if steps_left_in_epoch(self.data.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
             return None
         if epoch != self._epoch:
             self._epoch, self._order = epoch, epoch_order(self.data.num_rows, self.seed, epoch)
-        positions = step_positions(self._order, step_in_epoch, self.plan.global_batch)
+        positions = step_positions(self._order, sample_in_epoch, self.plan.global_batch)
         plan = self.plan
         if len(positions) != plan.global_batch:
             plan = split_step(len(positions), plan.micro_batch_cap, plan.world_size)
@@ -192,5 +222,5 @@ class IndexedSteps:
         return step.ids
 
     def consumed_ids(self) -> np.ndarray:
-        """Nothing to store: the data position (epoch, step) determines the consumed ids in this mode."""
+        """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""
         return np.zeros(0, dtype=np.int64)

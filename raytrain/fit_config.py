@@ -64,8 +64,8 @@ def _check_keys(where: str, given: dict[str, Any], valid: list[str]) -> None:
 def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
     """Import "module:attr" or "file.py:attr" (a path relative to `base_dir`); `ConfigError` when it fails.
 
-    A module loaded from a file is registered with cloudpickle to be shipped by value, so Ray workers that cannot
-    import it by name still get the function.
+    A module loaded from a file is registered with Ray's own (vendored) cloudpickle to be shipped by value, so Ray
+    workers that cannot import it by name still get the function.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -80,7 +80,7 @@ def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[name] = module
             loader_spec.loader.exec_module(module)
-            import cloudpickle
+            from ray import cloudpickle  # Ray's vendored copy: the one Ray serialises functions with
 
             cloudpickle.register_pickle_by_value(module)
         else:

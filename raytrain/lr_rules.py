@@ -6,9 +6,16 @@ The user states a base LR that is right at a base global batch. For the configur
     sqrt:    base_lr * sqrt(B / base_batch)  (Krizhevsky 2014; common for Adam)
     none:    base_lr
 
-and the LR ramps linearly from peak/warmup_steps to the peak over the first `warmup_steps` optimizer steps
-(step 0 trains at peak/warmup_steps, never at 0). Because W does not appear anywhere, a resize never changes
-the LR; only a change of the *global batch* by the user does, and `lr_change_on_resume` describes it.
+and the LR of optimizer step s is `peak * lr_factor(s, ...)`: a linear warmup from peak/warmup_steps to the peak
+over the first `warmup_steps` steps (step 0 trains at peak/warmup_steps, never at 0), then
+
+    constant: the peak
+    cosine:   min + (peak - min) * (1 + cos(pi * p)) / 2      p = (s - warmup) / (total - warmup), clamped to [0, 1]
+    linear:   min + (peak - min) * (1 - p)
+
+with min = min_lr_ratio * peak, over `total_steps` (the run's length). The factor multiplies every parameter
+group's own LR, so groups keep their ratios. Because W appears nowhere, a resize never changes the LR; only a
+change of the *global batch* by the user does, and `describe_lr_on_resume` says how.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from raytrain.errors import ConfigError
 
 LRRule = Literal["linear", "sqrt", "none"]
 LR_RULES: tuple[str, ...] = get_args(LRRule)
+LRSchedule = Literal["constant", "cosine", "linear"]
+LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 
 
 def validate_lr_rule(rule: str) -> None:
@@ -28,14 +37,25 @@ def validate_lr_rule(rule: str) -> None:
         raise ConfigError(f"lr_rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
 
 
+def validate_schedule(schedule: str) -> None:
+    """Raise `ConfigError` unless `schedule` is one of `LR_SCHEDULES`."""
+    if schedule not in LR_SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(LR_SCHEDULES)}, got {schedule!r}")
+
+
+def _require_int(field: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{field} must be an integer >= {low}, got {value!r}")
+    return value
+
+
 def peak_lr(base_lr: float, base_batch: int, global_batch: int, rule: str) -> float:
     """The LR fitted to `global_batch` by `rule`, given `base_lr` is right at `base_batch`."""
     validate_lr_rule(rule)
     if not base_lr > 0:
         raise ConfigError(f"base_lr must be > 0, got {base_lr!r}")
-    for field, value in (("base_batch", base_batch), ("global_batch", global_batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{field} must be an integer >= 1, got {value!r}")
+    _require_int("base_batch", base_batch, 1)
+    _require_int("global_batch", global_batch, 1)
     ratio = global_batch / base_batch
     if rule == "linear":
         return base_lr * ratio
@@ -44,26 +64,46 @@ def peak_lr(base_lr: float, base_batch: int, global_batch: int, rule: str) -> fl
     return base_lr
 
 
-def lr_at_step(step: int, peak: float, warmup_steps: int) -> float:
-    """LR for optimizer step `step` (0-based): linear warmup to `peak` over `warmup_steps`, then constant."""
-    if warmup_steps < 0:
-        raise ConfigError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
-    if step < 0:
-        raise ConfigError(f"step must be >= 0, got {step!r}")
-    if warmup_steps == 0 or step >= warmup_steps:
-        return peak
-    return peak * (step + 1) / warmup_steps
+def lr_factor(
+    step: int,
+    *,
+    warmup_steps: int,
+    schedule: str = "constant",
+    total_steps: int | None = None,
+    min_lr_ratio: float = 0.0,
+) -> float:
+    """The LR of optimizer step `step` (0-based) as a fraction of the peak: warmup, then `schedule` (module doc).
+
+    `total_steps` (the run's length) is needed by the decaying schedules; steps past it stay at `min_lr_ratio`.
+    """
+    _require_int("warmup_steps", warmup_steps, 0)
+    _require_int("step", step, 0)
+    validate_schedule(schedule)
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if total_steps is None:
+        raise ConfigError(f"schedule {schedule!r} needs the run's total steps, got total_steps=None")
+    _require_int("total_steps", total_steps, 1)
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    shape = (1.0 + math.cos(math.pi * progress)) / 2 if schedule == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
-def lr_change_on_resume(
-    base_lr: float, base_batch: int, rule: str, old_global_batch: int, new_global_batch: int
+def describe_lr_on_resume(
+    *, rule: str, base_batch: int, old_global_batch: int, new_global_batch: int, old_peak: float, new_peak: float
 ) -> str | None:
-    """A warning sentence when a resumed run's global batch differs from its checkpoint's, else None."""
+    """The warning for a resumed run whose global batch differs from its checkpoint's (None when it does not).
+
+    States what really happened to the peak LR: rescaled by `rule` (relative to `base_batch`), or unchanged.
+    """
     if old_global_batch == new_global_batch:
         return None
-    old = peak_lr(base_lr, base_batch, old_global_batch, rule)
-    new = peak_lr(base_lr, base_batch, new_global_batch, rule)
+    change = f"global batch changed on resume: {old_global_batch} -> {new_global_batch}"
+    if math.isclose(old_peak, new_peak, rel_tol=1e-12):
+        return f"{change}; peak lr unchanged at {new_peak:.3e} (rule '{rule}')"
     return (
-        f"global batch changed on resume: {old_global_batch} -> {new_global_batch}; "
-        f"peak lr rescaled by the '{rule}' rule: {old:.3e} -> {new:.3e}"
+        f"{change}; peak lr rescaled by the '{rule}' rule from base batch {base_batch}: "
+        f"{old_peak:.3e} -> {new_peak:.3e}"
     )

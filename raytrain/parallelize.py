@@ -20,14 +20,12 @@ multiplies the summed per-sample loss by W / B so that the average becomes the s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
-
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
 def apply_parallelism(model: nn.Module, strategy: str, device: torch.device, world_size: int) -> nn.Module:
@@ -51,23 +49,6 @@ def apply_parallelism(model: nn.Module, strategy: str, device: torch.device, wor
         fully_shard(model, reshard_after_forward=reshard)
         return model
     raise ConfigError(f"strategy must be one of ddp, zero1, zero2, zero3 here, got {strategy!r}")
-
-
-def build_optimizer(
-    model: nn.Module, optimizer_fn: OptimizerFactory, lr: float, strategy: str
-) -> torch.optim.Optimizer:
-    """Build the user's optimizer for the wrapped `model`; for zero1, shard its state over the ranks.
-
-    `optimizer_fn(params, lr=lr)` must return a torch optimizer. For zero1 its class and defaults are reused
-    inside `ZeroRedundancyOptimizer`, which needs the default process group.
-    """
-    optimizer = optimizer_fn(model.parameters(), lr=lr)
-    if strategy != "zero1":
-        return optimizer
-    # Also at W = 1, so a zero1 checkpoint always holds the consolidated optimizer state and loads at any W.
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(optimizer), **optimizer.defaults)
 
 
 @contextlib.contextmanager

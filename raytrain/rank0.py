@@ -38,14 +38,17 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
     return records
 
 
-def _truncate_after(path: str, step: int) -> None:
-    """Keep only the JSON lines of `path` whose "step" is <= `step`."""
+def _truncate_after(path: str, step: int) -> int:
+    """Keep only the JSON lines of `path` whose "step" is <= `step`; return how many unreadable lines were dropped
+    (a line torn by a crash or a full disk mid-write, which would otherwise break every later read)."""
     if not os.path.exists(path):
-        return
+        return 0
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = [line for line in f if line.strip()]
+    records = read_jsonl(path)
     with open(path, "w") as f:
-        f.writelines(kept)
+        f.writelines(json.dumps(r) + "\n" for r in records if r.get("step", 0) <= step)
+    return len(lines) - len(records)
 
 
 class Rank0Log:
@@ -78,21 +81,18 @@ class Rank0Log:
 
     def _last_event(self) -> dict[str, Any] | None:
         path = self._path(EVENTS_FILE)
-        if not path or not os.path.exists(path):
-            return None
-        with open(path) as f:
-            lines = [line for line in f if line.strip()]
-        return json.loads(lines[-1]) if lines else None
+        events = read_jsonl(path) if path else []
+        return events[-1] if events else None
 
     def start(self, *, restored_step: int, event: dict[str, Any]) -> None:
         """Called once per (re)start, after restoring: trims replayed history, appends `event` (which holds at
         least world_size, plan, lr, strategy) to events.jsonl and logs the resize line against the previous start."""
         if not self.active:
             return
-        for name in (METRICS_FILE, SAMPLES_FILE):
+        for name in (METRICS_FILE, SAMPLES_FILE, EVENTS_FILE):
             path = self._path(name)
-            if path:
-                _truncate_after(path, restored_step)
+            if path and (torn := _truncate_after(path, restored_step if name != EVENTS_FILE else 2**62)):
+                self.print(f"WARNING: {name}: dropped {torn} unreadable line(s) at its end (torn by a crash mid-write)")
         previous = self._last_event()
         event = {**event, "previous_world_size": previous["world_size"] if previous else None, "time": time.time()}
         self._append(EVENTS_FILE, event)

@@ -10,9 +10,9 @@ model does not fit with the strategies raytrain implements.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from raytrain.collectives import all_reduce_min
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import count_parameters, plan_memory
 
@@ -33,13 +33,9 @@ def resolve_strategy(name: str, model: nn.Module, world_size: int, device: torch
     """`name` itself unless it is "auto"; then the planner's choice (the same on all ranks: smallest memory wins)."""
     if name != "auto":
         return name
-    memory = torch.tensor([device_memory_bytes(device)], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    memory = all_reduce_min(device_memory_bytes(device))  # on the process group's device (nccl: CUDA only)
     total, largest = count_parameters(model)
-    plan = plan_memory(
-        total, world_size, optimizer="adam", gpu_memory_bytes=int(memory.item()), largest_layer_params=largest
-    )
+    plan = plan_memory(total, world_size, optimizer="adam", gpu_memory_bytes=memory, largest_layer_params=largest)
     choice = {"ddp": "ddp", "zero1": "zero2", "zero2": "zero2", "zero3": "zero3"}.get(plan.recommendation)
     if choice is None:
         raise ConfigError(

@@ -183,8 +183,12 @@ class StreamingSteps:
             empty=self.empty,
         )
 
-    def next_step(self, epoch: int, step_in_epoch: int) -> Any:
-        """This rank's data for the next step of `epoch` (collective), or None when the epoch is used up."""
+    def next_step(self, epoch: int, sample_in_epoch: int) -> Any:
+        """This rank's data for the next step of `epoch` (collective), or None when the epoch is used up.
+
+        The position within the epoch is the set of consumed ids, not `sample_in_epoch` (kept for the same
+        signature as deterministic mode). When the epoch is used up its ids are forgotten: a checkpoint taken
+        after that holds the next epoch's (empty) set, so a run extended with more epochs trains all of them."""
         from raytrain.data import StepData, to_tensors
 
         if self._shard is None or epoch != self._epoch:
@@ -194,6 +198,7 @@ class StreamingSteps:
         if total == 0 or (self.drop_last and total < self.plan.global_batch):
             self._shard.fill(2**62)  # drain, so the split's epoch completes on every rank
             self._shard = None
+            self.consumed_before, self.consumed_now = np.zeros(0, dtype=np.int64), []
             return None
         plan = step_plan_from_take(take, self.plan.micro_batch_cap, self.plan.global_batch)
         rows = self._shard.take(take[self.rank])

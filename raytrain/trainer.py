@@ -15,13 +15,16 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, TrainSpec
 from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
+
+if TYPE_CHECKING:
+    from raytrain.worker_loop import WorkerJob
 
 # Quiet, fast defaults for Ray Train's controller and workers; a value the user already set wins.
 RAY_ENV_DEFAULTS = {
@@ -102,12 +105,17 @@ class ElasticTrainer:
         model_fn: builds the model on a worker (called after the seed is set, so every rank gets equal weights).
         loss_fn: `loss_fn(model, batch) -> Tensor[n]`, one loss per sample of the batch (a dict of column
             tensors). raytrain sums and normalises them by the global batch.
-        optimizer_fn: `optimizer_fn(params, lr=...) -> torch.optim.Optimizer`.
+        optimizer_fn: `optimizer_fn(params, lr=...) -> torch.optim.Optimizer`, or `optimizer_fn(model, lr=...)` when
+            its first parameter is named `model` (for parameter groups by name). Groups keep their own options
+            and LR ratios under every strategy, zero1 included (see `raytrain.optim`).
         datasets: {"train": ray.data.Dataset, "val": ray.data.Dataset (optional)}; the columns named in
             `required_columns` must exist. The validation set is materialized; its mean loss is reported as
             `val_loss` at every checkpoint.
         batch, lr, loop, checkpoint, cluster: the configuration (see `raytrain.config`).
         required_columns: columns `loss_fn` reads; checked on the driver before any worker starts.
+        lr_schedule_fn: optional `lr_schedule_fn(step, total_steps) -> factor`: the LR of optimizer step `step`
+            (0-based) is factor x the peak LR (x each group's ratio). Replaces `LRConfig`'s warmup and schedule;
+            like them it must depend on the step and the run's length only, never on the world size.
 
     Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
     the field, its value and the valid range.
@@ -126,10 +134,13 @@ class ElasticTrainer:
         checkpoint: CheckpointConfig | None = None,
         cluster: ClusterConfig | None = None,
         required_columns: Sequence[str] = (),
+        lr_schedule_fn: Callable[[int, int], float] | None = None,
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
                 raise ConfigError(f"{name} must be callable, got {fn!r}")
+        if lr_schedule_fn is not None and not callable(lr_schedule_fn):
+            raise ConfigError(f"lr_schedule_fn must be callable or None, got {lr_schedule_fn!r}")
         if "train" not in datasets:
             raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
         self.spec = TrainSpec(
@@ -144,9 +155,58 @@ class ElasticTrainer:
                 "id_column must name a column with a unique integer id per sample when deterministic=False: "
                 "streaming mode keeps exactly-once by id"
             )
+        needs_length = lr_schedule_fn is not None or self.spec.lr.schedule != "constant"
+        loop = self.spec.loop
+        if needs_length and not loop.deterministic and loop.max_steps is None and self.spec.lr.decay_steps is None:
+            what = "lr_schedule_fn" if lr_schedule_fn is not None else f"schedule {self.spec.lr.schedule!r}"
+            raise ConfigError(
+                f"{what} needs the run's length: in streaming mode (deterministic=False) set loop.max_steps or "
+                "lr.decay_steps"
+            )
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
+        self.lr_schedule_fn = lr_schedule_fn
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
+
+    def check_user_functions(self) -> None:
+        """Build the model on the meta device and the optimizer over it (shardable for zero1); raise
+        `ConfigError` naming the function that fails. Called by `fit` before any worker starts."""
+        from raytrain.preflight import build_model_for_check, check_optimizer_fn
+
+        model = build_model_for_check(self.model_fn)
+        spec = self.spec
+        check_optimizer_fn(self.optimizer_fn, model, spec.lr.peak_lr(spec.batch.global_batch), spec.loop.strategy)
+
+    def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
+        """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
+        from raytrain.data import run_total_steps
+        from raytrain.preflight import check_lr_schedule_fn
+        from raytrain.worker_loop import WorkerJob
+
+        spec = self.spec
+        if self.lr_schedule_fn is not None:
+            total = spec.lr.decay_steps or spec.loop.max_steps
+            if num_rows is not None and total is None:
+                total = run_total_steps(
+                    num_rows=num_rows,
+                    global_batch=spec.batch.global_batch,
+                    drop_last=spec.batch.drop_last,
+                    epochs=spec.loop.epochs,
+                    max_steps=None,
+                    step=0,
+                    epoch=0,
+                    sample_in_epoch=0,
+                )
+            check_lr_schedule_fn(self.lr_schedule_fn, max(1, total or 1))
+        return WorkerJob(
+            spec=spec,
+            run_dir=run_dir,
+            model_fn=self.model_fn,
+            loss_fn=self.loss_fn,
+            optimizer_fn=self.optimizer_fn,
+            lr_schedule_fn=self.lr_schedule_fn,
+            **data,
+        )
 
     def fit(self) -> FitResult:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
@@ -157,7 +217,7 @@ class ElasticTrainer:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
-        from raytrain.data import IndexedData, check_columns
+        from raytrain.data import IndexedData, check_columns, steps_per_epoch
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
@@ -168,24 +228,22 @@ class ElasticTrainer:
             )
         run_dir = spec.checkpoint.run_dir()
         check_storage_writable(run_dir)
+        self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
-        loop_config: dict[str, Any] = {
-            "spec": spec,
-            "run_dir": run_dir,
-            "model_fn": self.model_fn,
-            "loss_fn": self.loss_fn,
-            "optimizer_fn": self.optimizer_fn,
-        }
+        val_set = self.datasets.get("val")
+        val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
         trainer_datasets: dict[str, Any] = {}
-        if self.datasets.get("val") is not None:
-            loop_config["val_data"] = IndexedData.from_dataset(self.datasets["val"], None, self.required_columns)
         if spec.loop.deterministic:
-            loop_config["data"] = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
+            data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
+            steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
+            job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))
+            if spec.batch.drop_last:  # counting may read the data once; only needed for this check
+                steps_per_epoch(train.count(), spec.batch.global_batch, drop_last=True)
             first = train.take_batch(1, batch_format="numpy")
-            loop_config["empty_batch"] = {name: column[:0] for name, column in first.items()}
+            job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in first.items()})
             trainer_datasets["train"] = train
         cluster = spec.cluster
         workers: int | tuple[int, int] = (
@@ -195,7 +253,7 @@ class ElasticTrainer:
         )
         trainer = TorchTrainer(
             train_loop_per_worker,
-            train_loop_config=loop_config,
+            train_loop_config={"job": job},
             datasets=trainer_datasets or None,
             dataset_config=ExactSplitConfig(datasets_to_split=["train"]) if trainer_datasets else None,
             scaling_config=ScalingConfig(  # type: ignore[call-arg]

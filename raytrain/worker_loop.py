@@ -1,7 +1,8 @@
 """The loop every Ray Train worker runs. Ray Train restarts it from the top on every resize or failure.
 
-At each (re)start: read the world size, compute the batch plan for it, build and wrap the model, restore the
-latest checkpoint (model, optimizer, step, data position), log the resize line on rank 0, then train.
+At each (re)start `start_run` reads the world size, computes the batch plan for it, builds and wraps the model,
+restores the latest checkpoint (model, optimizer, step, data position, LR base) and logs the resize line on
+rank 0; everything it builds is one typed `Run`. The step loop then reads in a few lines.
 """
 
 from __future__ import annotations
@@ -10,24 +11,53 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
-from raytrain.data import IndexedSteps, to_tensors
-from raytrain.lr_rules import lr_at_step, lr_change_on_resume
-from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
+from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.lr_rules import describe_lr_on_resume
+from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, lr_ratios, set_lr
+from raytrain.parallelize import apply_parallelism, gradient_sync
 from raytrain.rank0 import Rank0Log
 from raytrain.strategy import resolve_strategy
 from raytrain.streaming import StreamingSteps
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+LRScheduleFn = Callable[[int, int], float]
 Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WorkerJob:
+    """What the driver hands every worker (inside Ray Train's `train_loop_config` as `{"job": ...}`)."""
+
+    spec: TrainSpec
+    run_dir: str | None
+    model_fn: Callable[[], nn.Module]
+    loss_fn: LossFn
+    optimizer_fn: OptimizerFactory
+    lr_schedule_fn: LRScheduleFn | None = None
+    data: IndexedData | None = None  # deterministic mode
+    val_data: IndexedData | None = None
+    empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
+
+
+def seed_step(seed: int, step: int, rank: int) -> None:
+    """Seed torch's generators for optimizer step `step` on rank `rank` (dropout and other random ops).
+
+    The draws of a step are a function of (seed, step, rank), so a restart replays every step exactly at the same
+    world size. They are NOT independent of the split: a rank draws for its own micro-batches, so a model with
+    random operations in training follows a different (statistically equivalent) curve at another world size.
+    """
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0]))
 
 
 def train_step(
@@ -37,11 +67,14 @@ def train_step(
     micro_batches: list[Batch],
     world_size: int,
     step_total: int,
-) -> float:
-    """One optimizer step over this rank's micro-batches; returns the rank's summed per-sample loss.
+    max_grad_norm: float | None = None,
+) -> tuple[float, float | None]:
+    """One optimizer step over this rank's micro-batches; returns (the rank's summed per-sample loss, the global
+    gradient norm before clipping, or None without `max_grad_norm`).
 
     Each backward() adds to the gradients, so normalise by the step's global sample count here: the summed
-    per-sample loss times W / B, because DDP/FSDP then average over W. Only the last micro-step syncs.
+    per-sample loss times W / B, because DDP/FSDP then average over W. Only the last micro-step syncs; clipping
+    runs after it, on the gradient of the whole global batch.
     """
     optimizer.zero_grad(set_to_none=True)
     scale = world_size / step_total
@@ -56,8 +89,9 @@ def train_step(
                 )
             (losses.sum() * scale).backward()
         local_sum += float(losses.detach().sum())
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm is not None else None
     optimizer.step()
-    return local_sum
+    return local_sum, grad_norm
 
 
 @torch.no_grad()
@@ -95,6 +129,220 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclass
+class Run:
+    """The typed state of one worker-group start: built once by `start_run`, then advanced by `run_step`."""
+
+    job: WorkerJob
+    rank: int
+    world: int
+    device: torch.device
+    plan: BatchPlan
+    strategy: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_ratios: list[float]  # each parameter group's LR relative to the peak
+    peak_lr: float
+    base_batch: int  # the global batch at which base_lr is right (config, else checkpoint, else this run's)
+    source: IndexedSteps | StreamingSteps
+    val_columns: dict[str, np.ndarray] | None
+    log: Rank0Log
+    state: TrainState
+    restored: bool
+
+    @property
+    def spec(self) -> TrainSpec:
+        """The run's validated configuration."""
+        return self.job.spec
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's length in optimizer steps, when known (always in deterministic mode, else `max_steps`)."""
+        loop = self.spec.loop
+        if isinstance(self.source, IndexedSteps):
+            return run_total_steps(
+                num_rows=self.source.num_rows,
+                global_batch=self.spec.batch.global_batch,
+                drop_last=self.spec.batch.drop_last,
+                epochs=loop.epochs,
+                max_steps=loop.max_steps,
+                step=self.state.step,
+                epoch=self.state.epoch,
+                sample_in_epoch=self.state.sample_in_epoch,
+            )
+        return loop.max_steps
+
+    def lr_at(self, step: int) -> float:
+        """The peak-relative LR of optimizer step `step` times the peak: the user's schedule hook, or warmup and
+        the configured schedule. Depends on the step and the global batch only."""
+        total = self.spec.lr.decay_steps or self.total_steps
+        if self.job.lr_schedule_fn is not None:
+            return self.peak_lr * float(self.job.lr_schedule_fn(step, total or 0))
+        return self.peak_lr * self.spec.lr.factor(step, total)
+
+
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, np.ndarray, bool]:
+    """The latest checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True), or a
+    fresh state and False when there is none."""
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return TrainState(), np.zeros(0, dtype=np.int64), False
+    with checkpoint.as_directory() as directory:
+        return (*load_checkpoint(directory, model, optimizer), True)
+
+
+def start_run(job: WorkerJob) -> Run:
+    """Everything a worker-group (re)start does before its first step (collective: every rank calls it)."""
+    import ray.train
+
+    spec = job.spec
+    context = ray.train.get_context()
+    world, rank = context.get_world_size(), context.get_world_rank()
+    device = _device(spec.cluster.use_gpu, context.get_local_rank())
+    log = Rank0Log(rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every)
+    plan = spec.batch.plan(world)
+    global_batch = spec.batch.global_batch
+
+    torch.manual_seed(spec.loop.seed)  # identical initial weights on every rank
+    model = job.model_fn()
+    strategy = resolve_strategy(spec.loop.strategy, model, world, device)
+    model = apply_parallelism(model, strategy, device, world)
+    built_lr = spec.lr.peak_lr(global_batch)
+    optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
+    ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
+    state, consumed, restored = _restore(model, optimizer)
+
+    base_batch = spec.lr.base_batch or state.base_batch or global_batch
+    peak = spec.lr.peak_lr(global_batch, base_batch)
+    warning = describe_lr_on_resume(
+        rule=spec.lr.rule,
+        base_batch=base_batch,
+        old_global_batch=state.global_batch or global_batch,
+        new_global_batch=global_batch,
+        old_peak=state.peak_lr or peak,
+        new_peak=peak,
+    )
+    if warning:
+        log.print(f"WARNING: {warning}")
+
+    source: IndexedSteps | StreamingSteps
+    if spec.loop.deterministic:
+        assert job.data is not None, "deterministic mode needs the driver's IndexedData"
+        source = IndexedSteps(
+            job.data, seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
+        )
+    else:
+        source = StreamingSteps(
+            id_column=spec.loop.id_column or "",
+            seed=spec.loop.seed,
+            plan=plan,
+            rank=rank,
+            device=device,
+            shuffle_buffer=spec.loop.shuffle_buffer,
+            consumed=consumed,
+            drop_last=spec.batch.drop_last,
+            empty=job.empty_batch or {},
+        )
+    run = Run(
+        job=job,
+        rank=rank,
+        world=world,
+        device=device,
+        plan=plan,
+        strategy=strategy,
+        model=model,
+        optimizer=optimizer,
+        lr_ratios=ratios,
+        peak_lr=peak,
+        base_batch=base_batch,
+        source=source,
+        val_columns=job.val_data.load_columns() if job.val_data is not None else None,
+        log=log,
+        state=state,
+        restored=restored,
+    )
+    log.total_steps = run.total_steps
+    log.start(
+        restored_step=state.step,
+        event={
+            "step": state.step,
+            "world_size": world,
+            "plan": plan.to_dict(),
+            "lr": peak,
+            "strategy": strategy,
+            "restored": restored,
+            "pids": all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
+        },
+    )
+    return run
+
+
+def run_step(run: Run, step: StepData) -> dict[str, Any]:
+    """Train one optimizer step on `step`'s data, advance the run's state; returns the step's metrics."""
+    state, spec = run.state, run.spec
+    lr = run.lr_at(state.step)
+    set_lr(run.optimizer, run.lr_ratios, lr)
+    seed_step(spec.loop.seed, state.step, run.rank)  # restart-proof random ops
+    started = time.perf_counter()
+    total = step.plan.global_batch
+    local_loss, grad_norm = train_step(
+        run.model, run.optimizer, run.job.loss_fn, step.micro_batches, run.world, total, spec.loop.max_grad_norm
+    )
+    loss_sum = all_reduce_sum(local_loss)
+    state.step, state.sample_in_epoch, state.samples_seen = (
+        state.step + 1,
+        state.sample_in_epoch + total,
+        state.samples_seen + total,
+    )
+    metrics: dict[str, Any] = {
+        "step": state.step,
+        "epoch": state.epoch,
+        "world_size": run.world,
+        "accumulation_steps": step.plan.accumulation_steps,
+        "per_rank_samples": list(step.plan.per_rank_samples),
+        "global_batch_size": total,
+        "samples_seen": state.samples_seen,
+        "lr": lr,
+        "loss": loss_sum / total,
+        "step_time_s": time.perf_counter() - started,
+        "time": time.time(),
+    }
+    if grad_norm is not None:
+        metrics["grad_norm"] = grad_norm
+    return metrics
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Entry point given to `TorchTrainer`; `config["job"]` is the `WorkerJob` built by `ElasticTrainer`."""
+    run = start_run(config["job"])
+    spec, state = run.spec, run.state
+    max_steps = spec.loop.max_steps or 2**62
+    metrics: dict[str, Any] = {}
+    committed = state.step
+    while state.step < max_steps and state.epoch < spec.loop.epochs:
+        step = run.source.next_step(state.epoch, state.sample_in_epoch)
+        if step is None:  # the epoch is used up; nothing is carried into the next one
+            state.epoch, state.sample_in_epoch = state.epoch + 1, 0
+            continue
+        metrics = run_step(run, step)
+        checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
+        if checkpoint_now and run.val_columns is not None:
+            metrics["val_loss"] = evaluate(
+                run.model, run.job.loss_fn, run.val_columns, run.rank, run.world, run.plan.micro_batch_cap, run.device
+            )
+        run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
+        if checkpoint_now:
+            committed = _commit(run, metrics)
+    if state.step != committed and metrics:  # the last epoch ended between checkpoints
+        _commit(run, metrics)
+    if metrics:
+        run.log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics["loss"], 6)})
+    else:
+        run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
+
+
 def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> None:
     """Every rank reports (a barrier) with its checkpoint shard directory; Ray merges them into one checkpoint."""
     import ray.train
@@ -108,140 +356,16 @@ def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> N
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
 
 
-def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Entry point given to `TorchTrainer`; `config` is built by `raytrain.trainer.ElasticTrainer`."""
-    import ray.train
-
-    spec: TrainSpec = config["spec"]
-    loss_fn: LossFn = config["loss_fn"]
-    context = ray.train.get_context()
-    world, rank = context.get_world_size(), context.get_world_rank()
-    device = _device(spec.cluster.use_gpu, context.get_local_rank())
-    log = Rank0Log(rank, config.get("run_dir"), audit=spec.loop.audit_samples, log_every=spec.loop.log_every)
-
-    plan = spec.batch.plan(world)
-    global_batch = spec.batch.global_batch
-    peak = spec.lr.peak_lr(global_batch)
-    torch.manual_seed(spec.loop.seed)  # identical initial weights on every rank
-    model = config["model_fn"]()
-    strategy = resolve_strategy(spec.loop.strategy, model, world, device)
-    model = apply_parallelism(model, strategy, device, world)
-    optimizer = build_optimizer(model, config["optimizer_fn"], peak, strategy)
-
-    state, consumed = TrainState(), np.zeros(0, dtype=np.int64)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            state, consumed = load_checkpoint(directory, model, optimizer)
-    warning = lr_change_on_resume(
-        spec.lr.base_lr,
-        spec.lr.base_batch or global_batch,
-        spec.lr.rule,
-        state.global_batch or global_batch,
-        global_batch,
-    )
-    if warning:
-        log.print(f"WARNING: {warning}")
-    log.start(
-        restored_step=state.step,
-        event={
-            "step": state.step,
-            "world_size": world,
-            "plan": plan.to_dict(),
-            "lr": peak,
-            "strategy": strategy,
-            "restored": checkpoint is not None,
-            "pids": all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
-        },
-    )
-
-    source: IndexedSteps | StreamingSteps
-    if spec.loop.deterministic:
-        source = IndexedSteps(
-            config["data"], seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
-        )
-    else:
-        source = StreamingSteps(
-            id_column=spec.loop.id_column or "",
-            seed=spec.loop.seed,
-            plan=plan,
-            rank=rank,
-            device=device,
-            shuffle_buffer=spec.loop.shuffle_buffer,
-            consumed=consumed,
-            drop_last=spec.batch.drop_last,
-            empty=config["empty_batch"],
-        )
-    val_data = config.get("val_data")
-    val_columns = val_data.load_columns() if val_data is not None else None
-    max_steps = spec.loop.max_steps or 2**62
-    if isinstance(source, IndexedSteps):
-        log.total_steps = min(max_steps, source.steps_per_epoch * spec.loop.epochs)
-    elif spec.loop.max_steps:
-        log.total_steps = spec.loop.max_steps
-    metrics: dict[str, Any] = {}
-    committed = state.step
-    while state.step < max_steps and state.epoch < spec.loop.epochs:
-        step = source.next_step(state.epoch, state.step_in_epoch)
-        if step is None:  # the epoch is used up; nothing is carried into the next one
-            state.epoch, state.step_in_epoch = state.epoch + 1, 0
-            continue
-        lr = lr_at_step(state.step, peak, spec.lr.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        torch.manual_seed(hash((spec.loop.seed, state.step, rank)) & 0x7FFF_FFFF)  # per-step RNG, restart-proof
-
-        started = time.perf_counter()
-        total = step.plan.global_batch
-        loss_sum = all_reduce_sum(train_step(model, optimizer, loss_fn, step.micro_batches, world, total))
-        state.step, state.step_in_epoch = state.step + 1, state.step_in_epoch + 1
-        state.samples_seen += total
-        metrics = {
-            "step": state.step,
-            "epoch": state.epoch,
-            "world_size": world,
-            "accumulation_steps": step.plan.accumulation_steps,
-            "per_rank_samples": list(step.plan.per_rank_samples),
-            "global_batch_size": total,
-            "samples_seen": state.samples_seen,
-            "lr": lr,
-            "loss": loss_sum / total,
-            "step_time_s": time.perf_counter() - started,
-            "time": time.time(),
-        }
-        ids = source.global_ids(step) if spec.loop.audit_samples else None
-        checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
-        if checkpoint_now and val_columns is not None:
-            metrics["val_loss"] = evaluate(model, loss_fn, val_columns, rank, world, plan.micro_batch_cap, device)
-        log.step(metrics, ids)  # converted to a list on rank 0 only
-        if checkpoint_now:
-            committed = _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
-    if state.step != committed and metrics:  # the last epoch ended between checkpoints
-        _commit(model, optimizer, state, rank, source, metrics, spec, world, plan.to_dict())
-    if metrics:
-        log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics["loss"], 6)})
-    else:
-        log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
-
-
-def _commit(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    state: TrainState,
-    rank: int,
-    source: IndexedSteps | StreamingSteps,
-    metrics: dict[str, Any],
-    spec: TrainSpec,
-    world: int,
-    plan: dict[str, Any],
-) -> int:
-    """Save and report a checkpoint of `state` (collective); returns the committed step."""
+def _commit(run: Run, metrics: dict[str, Any]) -> int:
+    """Save and report a checkpoint of the run's state (collective); returns the committed step."""
+    state, spec = run.state, run.spec
     state.world_size, state.global_batch, state.plan, state.config = (
-        world,
+        run.world,
         spec.batch.global_batch,
-        plan,
+        run.plan.to_dict(),
         spec.to_dict(),
     )
-    directory = save_checkpoint(model, optimizer, state, rank, source.consumed_ids())
+    state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
+    directory = save_checkpoint(run.model, run.optimizer, state, run.rank, run.source.consumed_ids())
     _report(metrics, directory, spec.checkpoint.wait_for_commit)
     return state.step

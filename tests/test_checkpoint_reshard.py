@@ -24,7 +24,8 @@ from torch import nn
 from raytrain.batch_plan import plan_batch
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.data import rank_micro_batches
-from raytrain.parallelize import apply_parallelism, build_optimizer
+from raytrain.optim import build_optimizer
+from raytrain.parallelize import apply_parallelism
 from raytrain.worker_loop import train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")

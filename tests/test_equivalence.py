@@ -5,6 +5,10 @@ trains a tiny float64 MLP for three optimizer steps on its micro-batches from `_
 parameters must equal a plain single-process reference (mean loss over the B samples, one backward, one step) to
 1e-6. The global batch depends on W so that every k is reachable and W=2 and W=3 do not divide B. A final partial
 step (`split_step`, normalised by its true size) is covered at W=3, including one with fewer samples than ranks.
+Also at every W and strategy: gradient clipping on the global norm (`max_grad_norm`, small enough to clip every
+step), and AdamW with parameter groups (their own weight decay and LR ratio) under a decaying per-step LR.
+One case marks where the W-invariance ends: a model with dropout draws its masks per rank (`seed_step`), so at
+W = 2 it does not reproduce the single-process run.
 
 One world of W processes per W (torch.multiprocessing, forkserver by default, RAYTRAIN_TEST_START_METHOD=spawn
 also works) runs every strategy and configuration in a single gloo process group: starting processes is the
@@ -19,7 +23,7 @@ import multiprocessing
 import os
 import socket
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,8 +36,9 @@ from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
 from raytrain.data import rank_micro_batches as _rank_micro_batches
-from raytrain.parallelize import apply_parallelism, build_optimizer, gradient_sync
-from raytrain.worker_loop import train_step
+from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
+from raytrain.parallelize import apply_parallelism, gradient_sync
+from raytrain.worker_loop import seed_step, train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
 WORLDS = (1, 2, 3)
@@ -43,7 +48,7 @@ GLOBAL_BATCH = {1: 12, 2: 13, 3: 10}
 STEPS = 3
 NUM_ROWS = 64
 TOLERANCE = 1e-6
-LR = {"sgd": 0.1, "adam": 0.01}
+LR = {"sgd": 0.1, "adam": 0.01, "adamw_groups": 0.01}
 START_METHOD = os.environ.get("RAYTRAIN_TEST_START_METHOD", "forkserver")  # or "spawn"
 
 
@@ -58,12 +63,18 @@ class Case:
     step_sizes: tuple[int, ...]
     optimizer: str = "sgd"
     wrong_scale: bool = False  # negative control: normalise by the micro-batch mean instead of W / B
+    max_grad_norm: float | None = None
+    lr_factors: tuple[float, ...] | None = None  # the schedule's factor per step (None: constant)
+    dropout: bool = False
 
     @property
     def name(self) -> str:
         sizes = ",".join(map(str, self.step_sizes))
-        wrong = "-wrong" if self.wrong_scale else ""
-        return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{wrong}"
+        extra = "-wrong" if self.wrong_scale else ""
+        extra += f"-clip{self.max_grad_norm}" if self.max_grad_norm else ""
+        extra += "-sched" if self.lr_factors else ""
+        extra += "-dropout" if self.dropout else ""
+        return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{extra}"
 
 
 def _cap_for(global_batch: int, world: int, accumulation: int) -> int:
@@ -74,10 +85,10 @@ def _cap_for(global_batch: int, world: int, accumulation: int) -> int:
     raise AssertionError(f"no cap gives k={accumulation} for B={global_batch}, W={world}")
 
 
-def _full_case(strategy: str, world: int, accumulation: int, optimizer: str = "sgd", wrong: bool = False) -> Case:
+def _full_case(strategy: str, world: int, accumulation: int, optimizer: str = "sgd", **options: object) -> Case:
     batch = GLOBAL_BATCH[world]
     cap = _cap_for(batch, world, accumulation)
-    return Case(strategy, world, accumulation, cap, (batch,) * STEPS, optimizer, wrong)
+    return Case(strategy, world, accumulation, cap, (batch,) * STEPS, optimizer, **options)  # type: ignore[arg-type]
 
 
 def _partial_case(strategy: str, last: int) -> Case:
@@ -87,8 +98,19 @@ def _partial_case(strategy: str, last: int) -> Case:
     return Case(strategy, 3, 2, cap, (batch, batch, last))
 
 
-NEGATIVE = _full_case("ddp", 3, 2, wrong=True)
+NEGATIVE = _full_case("ddp", 3, 2, wrong_scale=True)
 PARTIAL_SIZES = (5, 2)  # 2 < W: one rank has no sample at all in the final step
+MAX_GRAD_NORM = 0.05  # below every step's gradient norm here, so every step clips
+LR_FACTORS = (1.0, 0.6, 0.2)  # a decaying schedule over the three steps
+DROPOUT = _full_case("ddp", 2, 2, dropout=True)
+
+
+def _clip_case(strategy: str, world: int) -> Case:
+    return _full_case(strategy, world, 2, max_grad_norm=MAX_GRAD_NORM)
+
+
+def _groups_case(strategy: str, world: int) -> Case:
+    return _full_case(strategy, world, 2, optimizer="adamw_groups", lr_factors=LR_FACTORS)
 
 
 def _cases_for_world(world: int) -> list[Case]:
@@ -96,18 +118,23 @@ def _cases_for_world(world: int) -> list[Case]:
     for strategy in STRATEGIES:
         cases += [_full_case(strategy, world, k) for k in ACCUMULATIONS]
         cases.append(_full_case(strategy, world, 2, optimizer="adam"))
+        cases += [_clip_case(strategy, world), _groups_case(strategy, world)]
         if world == 3:
             cases += [_partial_case(strategy, last) for last in PARTIAL_SIZES]
     if world == NEGATIVE.world:
         cases.append(NEGATIVE)
+    if world == DROPOUT.world:
+        cases.append(DROPOUT)
     return cases
 
 
 # ---------------------------------------------------------------- shared by the reference and the workers
 
 
-def _build_model() -> nn.Module:
+def _build_model(dropout: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if dropout:
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1)).double()
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
 
@@ -126,9 +153,25 @@ def _step_positions(step_sizes: tuple[int, ...]) -> list[np.ndarray]:
     return [order[starts[s] : starts[s + 1]] for s in range(len(step_sizes))]
 
 
+def _adamw_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The optimizer everyone uses, with groups by name: no decay for biases, half the LR for the first layer."""
+    named = list(model.named_parameters())
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if n.startswith("0.") and p.ndim >= 2], "lr": 0.5 * lr},
+            {"params": [p for n, p in named if not n.startswith("0.") and p.ndim >= 2]},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        weight_decay=0.1,
+    )
+
+
 def _optimizer_fn(name: str):
     if name == "sgd":
         return functools.partial(torch.optim.SGD, momentum=0.9)
+    if name == "adamw_groups":
+        return _adamw_groups
     return torch.optim.Adam
 
 
@@ -144,23 +187,37 @@ def _step_plan(case: Case, size: int) -> BatchPlan:
 
 
 @functools.cache
-def _reference(step_sizes: tuple[int, ...], optimizer: str) -> dict[str, torch.Tensor]:
-    """Plain torch: mean loss over the step's samples, one backward, one step, per optimizer step."""
+def _reference(case: Case) -> dict[str, torch.Tensor]:
+    """Plain torch in one process: per optimizer step the mean loss over the step's samples, one backward, clipping
+    with torch's own `clip_grad_norm_`, each group's LR set by hand, one step."""
     columns = _columns()
-    model = _build_model()
-    opt = _optimizer_fn(optimizer)(model.parameters(), lr=LR[optimizer])
-    for positions in _step_positions(step_sizes):
+    model = _build_model(case.dropout)
+    lr = LR[case.optimizer]
+    opt = call_optimizer_fn(_optimizer_fn(case.optimizer), model, lr)
+    base = [group["lr"] for group in opt.param_groups]
+    for step, positions in enumerate(_step_positions(case.step_sizes)):
+        for group, group_lr in zip(opt.param_groups, base, strict=True):
+            group["lr"] = group_lr * (case.lr_factors[step] if case.lr_factors else 1.0)
+        seed_step(0, step, 0)
         x, y = torch.from_numpy(columns["x"][positions]), torch.from_numpy(columns["y"][positions])
         opt.zero_grad(set_to_none=True)
         ((model(x).squeeze(-1) - y) ** 2).mean().backward()
+        if case.max_grad_norm:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm)
+            assert norm > case.max_grad_norm, f"step {step}: norm {norm} does not clip; lower MAX_GRAD_NORM"
         opt.step()
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _reference_of(case: Case) -> dict[str, torch.Tensor]:
+    """The reference for `case`'s training (world size, strategy and split do not enter it)."""
+    return _reference(replace(case, strategy="", world=1, accumulation=0, cap=0, wrong_scale=False))
 
 
 # ---------------------------------------------------------------- the spawned ranks
 
 
-def _wrong_train_step(model, optimizer, loss_fn, micro_batches, world_size, step_total) -> float:
+def _wrong_train_step(model, optimizer, loss_fn, micro_batches) -> None:
     """Negative control: `train_step` with the micro-batch mean as the loss (the contract says never do this)."""
     optimizer.zero_grad(set_to_none=True)
     for j, batch in enumerate(micro_batches):
@@ -171,7 +228,6 @@ def _wrong_train_step(model, optimizer, loss_fn, micro_batches, world_size, step
             else:
                 (losses.sum() * 0.0).backward()
     optimizer.step()
-    return 0.0
 
 
 def _assert_wrapped(case: Case, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -192,15 +248,21 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     device = torch.device("cpu")
-    model = apply_parallelism(_build_model(), case.strategy, device, case.world)
-    optimizer = build_optimizer(model, _optimizer_fn(case.optimizer), LR[case.optimizer], case.strategy)
+    model = apply_parallelism(_build_model(case.dropout), case.strategy, device, case.world)
+    lr = LR[case.optimizer]
+    optimizer = build_optimizer(model, _optimizer_fn(case.optimizer), lr, case.strategy)
+    ratios = lr_ratios(optimizer, lr)
     _assert_wrapped(case, model, optimizer)
-    step = _wrong_train_step if case.wrong_scale else train_step
-    for positions in _step_positions(case.step_sizes):
+    for step, positions in enumerate(_step_positions(case.step_sizes)):
+        set_lr(optimizer, ratios, lr * (case.lr_factors[step] if case.lr_factors else 1.0))
+        seed_step(0, step, rank)
         plan = _step_plan(case, len(positions))
         assert plan.accumulation_steps == case.accumulation or len(positions) != case.step_sizes[0], plan
         batches = _rank_micro_batches(columns, positions, plan, rank, device)
-        step(model, optimizer, _loss_fn, batches, case.world, len(positions))
+        if case.wrong_scale:
+            _wrong_train_step(model, optimizer, _loss_fn, batches)
+        else:
+            train_step(model, optimizer, _loss_fn, batches, case.world, len(positions), case.max_grad_norm)
     # A collective for FSDP2 (all ranks call it); strips DDP's "module." prefix.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: tensor.detach().clone() for name, tensor in state.items()}
@@ -282,7 +344,7 @@ def _max_abs_diff(params: dict[str, torch.Tensor], reference: dict[str, torch.Te
 
 def _check(world_results, case: Case) -> float:
     """Rank 0 (and every other rank: replicas must agree, FSDP2 gathers on all) equals the reference."""
-    reference = _reference(case.step_sizes, case.optimizer)
+    reference = _reference_of(case)
     diffs = [_max_abs_diff(params, reference) for params in _params_of(world_results, case)]
     print(f"{case.name}: max abs diff per rank {', '.join(f'{d:.3e}' for d in diffs)}")
     assert max(diffs) <= TOLERANCE, f"{case.name}: max abs diff per rank {diffs} > {TOLERANCE}"
@@ -328,12 +390,35 @@ def test_reference_trains() -> None:
     """An untrained model cannot pass: three steps move the parameters well beyond the tolerance."""
     initial = {name: p.detach() for name, p in _build_model().named_parameters()}
     for optimizer in LR:
-        moved = _max_abs_diff(_reference((GLOBAL_BATCH[1],) * STEPS, optimizer), initial)
+        moved = _max_abs_diff(_reference_of(_full_case("ddp", 1, 1, optimizer)), initial)
         assert moved > 1e-3, (optimizer, moved)
 
 
 def test_micro_batch_mean_is_not_equivalent(world_results) -> None:
     """Negative control: the same ranks with the micro-batch mean as loss do not reproduce the reference."""
-    diff = _max_abs_diff(_params_of(world_results, NEGATIVE)[0], _reference(NEGATIVE.step_sizes, NEGATIVE.optimizer))
+    diff = _max_abs_diff(_params_of(world_results, NEGATIVE)[0], _reference_of(NEGATIVE))
     print(f"{NEGATIVE.name}: max abs diff {diff:.3e}")
     assert diff > 1e-3, diff
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_clipping_uses_the_norm_of_the_whole_global_batch(world_results, strategy: str, world: int) -> None:
+    case = _clip_case(strategy, world)
+    _check(world_results, case)
+    unclipped = _reference_of(replace(case, max_grad_norm=None))
+    assert _max_abs_diff(_reference_of(case), unclipped) > 1e-3  # clipping changed the update: not a no-op
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_adamw_parameter_groups_keep_their_options_and_lr_ratios(world_results, strategy: str, world: int) -> None:
+    _check(world_results, _groups_case(strategy, world))
+
+
+def test_dropout_is_where_w_invariance_ends(world_results) -> None:
+    """The documented line: a model with dropout draws its masks per rank and micro-batch, so W = 2 does not
+    reproduce the single-process run (models without random ops do, to 1e-6, in every test above)."""
+    diff = _max_abs_diff(_params_of(world_results, DROPOUT)[0], _reference_of(DROPOUT))
+    print(f"{DROPOUT.name}: max abs diff {diff:.3e}")
+    assert diff > 1e-4, diff

@@ -1,13 +1,17 @@
-"""LR rules: a function of the global batch and the step only."""
+"""LR rules and schedules: a function of the global batch and the step only (pure, no Ray)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from raytrain.config import LRConfig
 from raytrain.errors import ConfigError
-from raytrain.lr_rules import lr_at_step, lr_change_on_resume, peak_lr
+from raytrain.lr_rules import describe_lr_on_resume, lr_factor, peak_lr
 
 
 def test_rules() -> None:
@@ -18,16 +22,61 @@ def test_rules() -> None:
 
 
 def test_warmup_ramps_to_peak_and_never_trains_at_zero() -> None:
-    lrs = [lr_at_step(s, 1.0, 4) for s in range(6)]
-    assert lrs == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert lr_at_step(0, 2.0, 0) == 2.0
+    assert [lr_factor(s, warmup_steps=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(0, warmup_steps=0) == 1.0
 
 
-def test_resume_with_other_global_batch_warns_with_both_lrs() -> None:
-    assert lr_change_on_resume(1e-3, 256, "linear", 512, 512) is None
-    message = lr_change_on_resume(1e-3, 256, "sqrt", 256, 1024)
-    assert message is not None
-    assert "256 -> 1024" in message and "1.000e-03 -> 2.000e-03" in message
+def test_cosine_and_linear_decay_from_peak_to_min_after_warmup() -> None:
+    cosine = [lr_factor(s, warmup_steps=2, schedule="cosine", total_steps=12, min_lr_ratio=0.1) for s in range(14)]
+    assert cosine[:2] == [0.5, 1.0]  # warmup
+    assert cosine[2] == pytest.approx(1.0)  # decay starts at the peak
+    assert cosine[7] == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean of peak and min
+    assert cosine[12] == cosine[13] == pytest.approx(0.1)  # at and past the end: the minimum
+    assert all(a >= b for a, b in zip(cosine[1:], cosine[2:], strict=False))
+    linear = [lr_factor(s, warmup_steps=0, schedule="linear", total_steps=4) for s in range(5)]
+    assert linear == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+
+
+@given(
+    step=st.integers(0, 10_000),
+    warmup=st.integers(0, 100),
+    total=st.integers(1, 5_000),
+    schedule=st.sampled_from(["constant", "cosine", "linear"]),
+    floor=st.floats(0.0, 1.0),
+)
+def test_factor_stays_between_min_and_peak(step: int, warmup: int, total: int, schedule: str, floor: float) -> None:
+    factor = lr_factor(step, warmup_steps=warmup, schedule=schedule, total_steps=total, min_lr_ratio=floor)
+    low = (step + 1) / warmup if step < warmup else floor if schedule != "constant" else 1.0
+    assert low - 1e-12 <= factor <= 1.0 + 1e-12
+
+
+def test_config_factor_uses_decay_steps_over_the_run_length() -> None:
+    config = LRConfig(base_lr=1.0, schedule="linear", decay_steps=10)
+    assert config.factor(5, total_steps=1000) == pytest.approx(0.5)
+    assert LRConfig(base_lr=1.0, schedule="linear").factor(5, total_steps=20) == pytest.approx(0.75)
+
+
+def test_config_base_batch_falls_back_to_the_checkpoint_then_the_global_batch() -> None:
+    config = LRConfig(base_lr=1e-3, rule="linear")
+    assert config.peak_lr(32) == pytest.approx(1e-3)  # first start: base batch = this global batch
+    assert config.peak_lr(32, base_batch=16) == pytest.approx(2e-3)  # resumed: the checkpoint's base batch
+    assert LRConfig(base_lr=1e-3, base_batch=64).peak_lr(32, base_batch=16) == pytest.approx(5e-4)  # config wins
+
+
+def test_resume_message_says_what_really_happened() -> None:
+    same = dict(rule="linear", base_batch=16, old_peak=1e-3, new_peak=1e-3)
+    assert describe_lr_on_resume(old_global_batch=16, new_global_batch=16, **same) is None  # type: ignore[arg-type]
+    rescaled = describe_lr_on_resume(
+        rule="linear", base_batch=16, old_global_batch=16, new_global_batch=32, old_peak=1e-3, new_peak=2e-3
+    )
+    assert rescaled == (
+        "global batch changed on resume: 16 -> 32; peak lr rescaled by the 'linear' rule from base batch 16: "
+        "1.000e-03 -> 2.000e-03"
+    )
+    kept = describe_lr_on_resume(
+        rule="none", base_batch=16, old_global_batch=16, new_global_batch=32, old_peak=1e-3, new_peak=1e-3
+    )
+    assert kept == "global batch changed on resume: 16 -> 32; peak lr unchanged at 1.000e-03 (rule 'none')"
 
 
 @pytest.mark.parametrize(
@@ -36,7 +85,12 @@ def test_resume_with_other_global_batch_warns_with_both_lrs() -> None:
         (lambda: peak_lr(1e-3, 256, 512, "cubic"), "lr_rule must be one of linear, sqrt, none, got 'cubic'"),
         (lambda: peak_lr(0.0, 256, 512, "linear"), "base_lr must be > 0, got 0.0"),
         (lambda: peak_lr(1e-3, 0, 512, "linear"), "base_batch must be an integer >= 1, got 0"),
-        (lambda: lr_at_step(0, 1.0, -1), "warmup_steps must be an integer >= 0, got -1"),
+        (lambda: lr_factor(0, warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
+        (lambda: lr_factor(0, warmup_steps=0, schedule="step"), "schedule must be one of constant, cosine, linear"),
+        (lambda: lr_factor(3, warmup_steps=0, schedule="cosine"), "needs the run's total steps, got total_steps=None"),
+        (lambda: LRConfig(base_lr=1.0, min_lr_ratio=1.5), r"min_lr_ratio must be a number in \[0, 1\], got 1.5"),
+        (lambda: LRConfig(base_lr=1.0, decay_steps=0), "decay_steps must be an integer >= 1, got 0"),
+        (lambda: LRConfig(base_lr=1.0, schedule="exp"), "schedule must be one of constant, cosine, linear, got 'exp'"),
     ],
 )
 def test_bad_input(call, message: str) -> None:
@@ -46,8 +100,6 @@ def test_bad_input(call, message: str) -> None:
 
 def test_lr_has_no_world_size_input() -> None:
     # The contract: nothing about the LR can depend on W, because W is not an argument.
-    import inspect
-
-    for fn in (peak_lr, lr_at_step):
+    for fn in (peak_lr, lr_factor, LRConfig.factor, LRConfig.peak_lr):
         assert not any("world" in name for name in inspect.signature(fn).parameters)
     assert math.isfinite(peak_lr(1.0, 1, 1, "sqrt"))

@@ -1,0 +1,69 @@
+"""Checks of the user's functions on the driver, before any worker starts: a mistake costs seconds, not restarts.
+
+The model is built on the meta device (no memory, no compute: shapes only), so the check costs nothing for a
+model of any size; a `model_fn` that cannot build on meta is built on the CPU instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain.errors import ConfigError
+from raytrain.optim import OptimizerFactory, call_optimizer_fn, check_shardable
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) or repr(fn)
+
+
+def build_model_for_check(model_fn: Callable[[], nn.Module]) -> nn.Module:
+    """`model_fn()` on the meta device, else on the CPU; `ConfigError` naming `model_fn` when both fail or the
+    result is not an `nn.Module` with parameters."""
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception:
+        try:
+            model = model_fn()
+        except Exception as err:
+            raise ConfigError(f"model_fn {_name(model_fn)} raised {type(err).__name__}: {err}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model_fn {_name(model_fn)} must return a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ConfigError(f"model_fn {_name(model_fn)} returned a module without parameters: nothing to train")
+    return model
+
+
+def check_optimizer_fn(optimizer_fn: OptimizerFactory, model: nn.Module, lr: float, strategy: str) -> None:
+    """`optimizer_fn` builds a torch optimizer for `model`, one that zero1 can shard when `strategy` is zero1;
+    `ConfigError` naming the function otherwise."""
+    try:
+        optimizer = call_optimizer_fn(optimizer_fn, model, lr)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"optimizer_fn {_name(optimizer_fn)} raised {type(err).__name__}: {err}") from None
+    if strategy == "zero1":
+        check_shardable(optimizer)
+
+
+def check_lr_schedule_fn(fn: Callable[[int, int], float], total_steps: int) -> None:
+    """`fn(step, total_steps)` returns a finite factor >= 0 at the first, second and last step; `ConfigError`
+    naming the step and the value otherwise."""
+    for step in sorted({0, min(1, total_steps - 1), total_steps - 1}):
+        try:
+            value = fn(step, total_steps)
+        except Exception as err:
+            raise ConfigError(
+                f"lr_schedule_fn {_name(fn)}({step}, {total_steps}) raised {type(err).__name__}: {err}"
+            ) from None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ConfigError(
+                f"lr_schedule_fn {_name(fn)}({step}, {total_steps}) must return a finite number >= 0 (a factor of "
+                f"the peak LR), got {value!r}"
+            )

@@ -1,0 +1,50 @@
+"""A fresh install gets everything raytrain imports: every third-party module imported anywhere in the package is
+a declared dependency (a module present only on a development machine, e.g. a stray `cloudpickle`, fails here)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Distribution name -> the top-level module it installs, where the two differ.
+MODULE_OF = {"ray[train,default]": "ray"}
+
+
+def _declared_modules() -> set[str]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = set()
+    for requirement in project["dependencies"]:
+        name = re.split(r"[<>=!~;\s]", requirement, maxsplit=1)[0]
+        names.add(MODULE_OF.get(name, name.split("[")[0]).replace("-", "_"))
+    return names
+
+
+def _imported_top_level_modules() -> dict[str, str]:
+    """module -> a file importing it, over every module of the package (imports inside functions too)."""
+    found: dict[str, str] = {}
+    for path in sorted((REPO / "raytrain").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                found.setdefault(module.split(".")[0], str(path.relative_to(REPO)))
+    return found
+
+
+def test_every_third_party_import_is_a_declared_dependency() -> None:
+    declared = _declared_modules()
+    assert {"torch", "ray", "numpy", "pyarrow"} <= declared, declared
+    undeclared = {
+        module: where
+        for module, where in _imported_top_level_modules().items()
+        if module not in declared and module not in sys.stdlib_module_names and module != "raytrain"
+    }
+    assert not undeclared, f"imported but not in pyproject's dependencies: {undeclared}"
