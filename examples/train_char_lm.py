@@ -102,9 +102,17 @@ def per_window_cross_entropy(model: nn.Module, batch: dict[str, torch.Tensor]) -
     return losses.view(batch["y"].shape).mean(dim=1)
 
 
-def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
-    """raytrain calls optimizer_fn(params, lr=...) with the peak LR from LRConfig; it sets the LR every step."""
-    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
+def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW with the usual parameter groups: weight decay on the weight matrices only, none on embeddings, norms
+    and biases. raytrain calls optimizer_fn(model, lr=...) because the first parameter is named `model` (with
+    `params` it passes model.parameters()); `lr` is the peak LR from LRConfig. Every step raytrain multiplies each
+    group's own LR by the schedule, so groups keep their ratios, also under zero1, which shards every group."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        is_matrix = param.ndim >= 2 and not name.startswith(("token.", "position."))
+        (decay if is_matrix else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99))
 
 
 # --- After training, on the driver ---------------------------------------------------------------------
@@ -178,14 +186,18 @@ def main() -> None:
     # micro-batches x accumulation steps; micro_batch only caps one worker's forward/backward (memory).
     batch = BatchConfig(global_batch=args.global_batch, micro_batch=16)
     # The LR is fitted to the global batch, never to the world size: 4e-3 is right at 32 windows per step
-    # ("sqrt" rescales it if --global-batch changes), reached after 10 steps of linear warmup.
-    lr = LRConfig(base_lr=4e-3, base_batch=32, rule="sqrt", warmup_steps=10)
+    # ("sqrt" rescales it if --global-batch changes), reached after 10 steps of linear warmup, then a cosine
+    # decay to a tenth of it over the run's steps.
+    lr = LRConfig(
+        base_lr=4e-3, base_batch=32, rule="sqrt", warmup_steps=10, schedule="cosine", min_lr_ratio=0.1
+    )
     loop = LoopConfig(
         epochs=math.ceil(args.steps / math.ceil(windows / args.global_batch)),
         max_steps=args.steps,
         strategy=args.strategy,  # ddp; zero1 shards optimizer state; zero2 + gradients; zero3 + parameters
         seed=0,  # seeds the weights and the per-epoch window order, which is the same at any world size
         id_column="id",
+        max_grad_norm=1.0,  # clips the gradient of the whole global batch (the same at any world size)
         log_every=10,
     )
     # A checkpoint every 20 steps (and at the end): Ray Train restarts the whole worker group on a failure or a

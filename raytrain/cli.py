@@ -292,6 +292,7 @@ def _run_fit(args: argparse.Namespace) -> int:
         checkpoint=job.spec.checkpoint,
         cluster=job.spec.cluster,
         required_columns=job.required_columns,
+        lr_schedule_fn=job.entries.get("lr_schedule"),
     )
     result = trainer.fit()
     summary = fit_summary(result)

@@ -7,8 +7,9 @@ The file names Python entries for the builders and holds the config fields, one 
     [entry]                       # "module:function" or "path/to/file.py:function" (relative to the file)
     model = "fit_entry.py:model"          # () -> torch.nn.Module
     loss = "fit_entry.py:loss"            # (model, batch) -> Tensor[n]
-    optimizer = "fit_entry.py:optimizer"  # (params, lr) -> torch.optim.Optimizer
+    optimizer = "fit_entry.py:optimizer"  # (params, lr) or (model, lr) -> torch.optim.Optimizer
     datasets = "fit_entry.py:datasets"    # () -> {"train": ray.data.Dataset, "val"?: ...}  (called on the driver)
+    lr_schedule = "fit_entry.py:schedule" # optional: (step, total_steps) -> factor of the peak LR
     required_columns = ["x", "y"]
 
     [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
@@ -38,6 +39,7 @@ SECTIONS: dict[str, type] = {
     "cluster": ClusterConfig,
 }
 ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
+OPTIONAL_ENTRY_KEYS = ("lr_schedule",)
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -107,7 +109,7 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
     raw = read_toml(path)
     _check_keys("top level", raw, ["entry", *SECTIONS])
     entry = dict(raw.get("entry", {}))
-    _check_keys("entry", entry, [*ENTRY_KEYS, "required_columns"])
+    _check_keys("entry", entry, [*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "required_columns"])
     missing = [k for k in ENTRY_KEYS if k not in entry]
     if missing:
         raise ConfigError(f"[entry] is missing {missing}; it needs {list(ENTRY_KEYS)}")
@@ -125,7 +127,7 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
             raise ConfigError(f"[{name}] is missing required key(s) {absent}")
         sections[name] = cls(**values)
     base_dir = os.path.dirname(os.path.abspath(path))
-    entries = {key: load_entry(entry[key], base_dir) for key in ENTRY_KEYS}
+    entries = {key: load_entry(entry[key], base_dir) for key in (*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS) if key in entry}
     return FitJob(TrainSpec(**sections), entries, tuple(entry.get("required_columns", ())))
 
 
@@ -137,8 +139,10 @@ def describe_plan(job: FitJob) -> str:
     lines = [f"global batch {spec.batch.global_batch}, micro-batch cap {spec.batch.micro_batch}"]
     for world in range(spec.cluster.min_workers, spec.cluster.max_workers + 1):
         lines.append("  " + spec.batch.plan(world).describe())
+    schedule = "lr_schedule entry" if "lr_schedule" in job.entries else f"{spec.lr.schedule} schedule"
     lines.append(
-        f"lr: peak {spec.lr.peak_lr(spec.batch.global_batch):.3e} ({spec.lr.rule} rule, warmup {spec.lr.warmup_steps})"
+        f"lr: peak {spec.lr.peak_lr(spec.batch.global_batch):.3e} ({spec.lr.rule} rule, warmup "
+        f"{spec.lr.warmup_steps}, {schedule})"
     )
     model = job.entries["model"]()
     total, largest = count_parameters(model)

@@ -41,14 +41,16 @@ def _from_arrays(arrays: dict[str, np.ndarray]) -> Any:
     return ray.data.from_arrow(pa.table(columns))
 
 
-def mlp(features: int = 8, hidden: int = 32, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A two-layer MLP regressor: [n, features] -> [n]."""
-    return nn.Sequential(nn.Linear(features, hidden), nn.Tanh(), nn.Linear(hidden, 1), nn.Flatten(0)).to(dtype)
+def mlp(features: int = 8, hidden: int = 32, dtype: torch.dtype = torch.float32, dropout: float = 0.0) -> nn.Module:
+    """A two-layer MLP regressor: [n, features] -> [n] (with a dropout layer after the hidden one if `dropout`)."""
+    extra = [nn.Dropout(dropout)] if dropout else []
+    layers = [nn.Linear(features, hidden), nn.Tanh(), *extra, nn.Linear(hidden, 1), nn.Flatten(0)]
+    return nn.Sequential(*layers).to(dtype)
 
 
-def mlp_factory(features: int = 8, hidden: int = 32) -> partial[nn.Module]:
-    """A picklable `model_fn` building `mlp(features, hidden)`."""
-    return partial(mlp, features, hidden)
+def mlp_factory(features: int = 8, hidden: int = 32, dropout: float = 0.0) -> partial[nn.Module]:
+    """A picklable `model_fn` building `mlp(features, hidden, dropout=dropout)`."""
+    return partial(mlp, features, hidden, dropout=dropout)
 
 
 def squared_error(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -64,3 +66,19 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     """AdamW with weight decay 0.01."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def adamw_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW as most runs configure it: weight decay 0.1 on matrices only (no decay for biases and norms), and the
+    first layer at half the LR (as one might treat an embedding)."""
+    named = list(model.named_parameters())
+    first = named[0][0].rsplit(".", 1)[0]  # the module that owns the first parameter
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if p.ndim >= 2 and n.startswith(first + ".")], "lr": 0.5 * lr},
+            {"params": [p for n, p in named if p.ndim >= 2 and not n.startswith(first + ".")]},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=lr,
+        weight_decay=0.1,
+    )

@@ -77,6 +77,22 @@ def test_gpu_code_path_runs_on_cpu() -> None:
     assert headline["tokens_per_s_ddp"] > 0 and headline["tokens_per_s_zero3"] > 0
 
 
+def test_gpu_check_skips_or_passes() -> None:
+    """The one-GPU check of the whole loop (nccl, W = 1) passes where CUDA is, and says it skipped elsewhere."""
+    headline = run_benchmark("gpu_check.py")
+    if headline.get("skipped"):
+        assert headline == {"skipped": True, "reason": "no CUDA"}
+    else:
+        assert headline["backend"] == "nccl" and headline["all_ok"] is True, headline
+
+
+@pytest.mark.ray
+@pytest.mark.benchmark
+def test_gpu_check_code_path_runs_on_cpu() -> None:
+    headline = run_benchmark("gpu_check.py", "--cpu-check", "--steps", "6")
+    assert headline["backend"] == "gloo" and headline["all_ok"] is True, headline
+
+
 @pytest.mark.ray
 @pytest.mark.benchmark
 def test_overhead_quick() -> None:

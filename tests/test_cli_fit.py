@@ -30,6 +30,7 @@ def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_pat
     assert "world 2: accumulation 2, samples/rank [32,32]" in result.stdout
     assert "world 3: accumulation 2, samples/rank [22,21,21]" in result.stdout
     assert "zero3" in result.stdout and "strategy: ddp" in result.stdout
+    assert "(sqrt rule, warmup 5, cosine schedule)" in result.stdout
     assert not (tmp_path / "runs").exists()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 
 import pytest
@@ -32,7 +33,7 @@ def test_cosine_and_linear_decay_from_peak_to_min_after_warmup() -> None:
     assert cosine[2] == pytest.approx(1.0)  # decay starts at the peak
     assert cosine[7] == pytest.approx(0.1 + 0.9 * 0.5)  # half way: the mean of peak and min
     assert cosine[12] == cosine[13] == pytest.approx(0.1)  # at and past the end: the minimum
-    assert all(a >= b for a, b in zip(cosine[1:], cosine[2:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(cosine[1:]))  # never rises after warmup
     linear = [lr_factor(s, warmup_steps=0, schedule="linear", total_steps=4) for s in range(5)]
     assert linear == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
 

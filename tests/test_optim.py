@@ -108,5 +108,5 @@ def test_driver_check_rejects_an_unshardable_optimizer_before_any_worker() -> No
 def test_driver_check_names_a_broken_model_or_optimizer_fn() -> None:
     with pytest.raises(ConfigError, match=r"model_fn .* must return a torch.nn.Module, got str"):
         _trainer(model_fn=lambda: "not a model").check_user_functions()
-    with pytest.raises(ConfigError, match="optimizer_fn must return a torch.optim.Optimizer, got list"):
+    with pytest.raises(ConfigError, match=r"optimizer_fn must return a torch\.optim\.Optimizer, got list"):
         _trainer(optimizer_fn=lambda params, lr: list(params)).check_user_functions()

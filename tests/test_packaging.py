@@ -6,8 +6,9 @@ from __future__ import annotations
 import ast
 import re
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 # Distribution name -> the top-level module it installs, where the two differ.

@@ -2,54 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
+from ray_helpers import ROWS, make_trainer, read_jsonl
 
-from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig
 from raytrain.errors import ConfigError
 from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error
 from raytrain.trainer import ElasticTrainer
 
 pytestmark = pytest.mark.ray
-
-ROWS = 90  # 90 rows at global batch 20: 5 steps per epoch, the last one partial (10 samples)
-
-
-def make_trainer(
-    tmp: Path,
-    run: str,
-    *,
-    workers: int,
-    strategy: str = "ddp",
-    steps: int | None = None,
-    epochs: int = 2,
-    every: int = 100,
-    audit: bool = False,
-    **kwargs: Any,
-) -> ElasticTrainer:
-    return ElasticTrainer(
-        model_fn=mlp_factory(8, 16),
-        loss_fn=squared_error,
-        optimizer_fn=sgd,
-        datasets={"train": regression_dataset(ROWS)},
-        batch=BatchConfig(global_batch=20, micro_batch=kwargs.pop("micro_batch", 4)),
-        lr=LRConfig(base_lr=0.2, warmup_steps=2),
-        loop=LoopConfig(epochs=epochs, max_steps=steps, strategy=strategy, audit_samples=audit, id_column="id"),
-        checkpoint=CheckpointConfig(storage_path=str(tmp), run_name=run, every_steps=every),
-        cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=0),
-        required_columns=("x", "y"),
-        **kwargs,
-    )
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_path: Path) -> None:
@@ -85,13 +49,15 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_pa
     assert len(events) == 1 and events[0]["world_size"] == 2
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
-def test_resume_continues_exactly(ray_local: None, tmp_path: Path, strategy: str) -> None:
-    full = read_jsonl(make_trainer(tmp_path, "full", workers=2, strategy=strategy, steps=8).fit().metrics_path)
-    make_trainer(tmp_path, "split", workers=2, strategy=strategy, steps=4, every=4).fit()
-    resumed = read_jsonl(
-        make_trainer(tmp_path, "split", workers=2, strategy=strategy, steps=8, every=4).fit().metrics_path
-    )
+@pytest.mark.parametrize(("strategy", "dropout"), [("ddp", 0.5), ("zero3", 0.0)], ids=["ddp-dropout", "zero3"])
+def test_resume_continues_exactly(ray_local: None, tmp_path: Path, strategy: str, dropout: float) -> None:
+    """A restart at the same W replays exactly, random ops (dropout) included: their draws are seeded per
+    (seed, step, rank)."""
+    model_fn = mlp_factory(8, 16, dropout=dropout)
+    options = {"workers": 2, "strategy": strategy, "model_fn": model_fn}
+    full = read_jsonl(make_trainer(tmp_path, "full", steps=8, **options).fit().metrics_path)  # type: ignore[arg-type]
+    make_trainer(tmp_path, "split", steps=4, every=4, **options).fit()  # type: ignore[arg-type]
+    resumed = read_jsonl(make_trainer(tmp_path, "split", steps=8, every=4, **options).fit().metrics_path)  # type: ignore[arg-type]
     assert [m["step"] for m in resumed] == list(range(1, 9))
     for a, b in zip(full[4:], resumed[4:], strict=True):
         assert a["step"] == b["step"]
@@ -145,9 +111,7 @@ def test_unknown_strategy_and_bad_ranges_are_rejected_before_anything_runs() -> 
 
 
 def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, "stream", workers=3, audit=True)
-    trainer.spec = replace(trainer.spec, loop=replace(trainer.spec.loop, deterministic=False, shuffle_buffer=16))
-    result = trainer.fit()
+    result = make_trainer(tmp_path, "stream", workers=3, audit=True, deterministic=False).fit()
     lines = read_jsonl(result.metrics_path)
     sizes = [m["global_batch_size"] for m in lines]
     # Exactly B at every step but each epoch's last, which holds the remainder: 4 full steps and 10 samples.

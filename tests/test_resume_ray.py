@@ -1,0 +1,97 @@
+"""Resumes that change the run, on a real local Ray instance: a new global batch, more epochs, a torn log line; and
+the optimizer users reach for first (AdamW with parameter groups, zero1, a cosine schedule, clipping)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ray_helpers import ids_by_epoch, make_trainer, read_jsonl
+
+from raytrain.config import LRConfig
+from raytrain.errors import ConfigError
+from raytrain.lr_rules import lr_factor
+from raytrain.toy import adamw_groups
+
+pytestmark = pytest.mark.ray
+
+ROWS = 128
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
+def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
+    ray_local: None, tmp_path: Path, deterministic: bool
+) -> None:
+    """3 steps at B=16, then the same run at B=32 to the end of the epoch: every sample exactly once, and the LR
+    rescaled by the linear rule from the first start's batch (base_batch was not given)."""
+    options = {"workers": 2, "rows": ROWS, "epochs": 1, "audit": True, "deterministic": deterministic}
+    lr = LRConfig(base_lr=0.1, rule="linear")
+    make_trainer(tmp_path, "grow", global_batch=16, steps=3, every=3, lr=lr, **options).fit()  # type: ignore[arg-type]
+    result = make_trainer(tmp_path, "grow", global_batch=32, lr=lr, **options).fit()  # type: ignore[arg-type]
+    metrics = read_jsonl(result.metrics_path)
+    sizes = [m["global_batch_size"] for m in metrics]
+    assert sizes == [16, 16, 16, 32, 32, 16], sizes  # 48 + 32 + 32 + 16 = 128: the epoch's last step holds the rest
+    ids = ids_by_epoch(result.samples_path or "")[0]
+    assert sorted(ids) == list(range(ROWS)), "samples skipped or repeated across the resume"
+    assert [m["lr"] for m in metrics] == pytest.approx([0.1] * 3 + [0.2] * 3)  # 0.1 x 32/16
+    events = read_jsonl(result.events_path)
+    assert [e["lr"] for e in events] == pytest.approx([0.1, 0.2])
+
+
+def test_streaming_run_extended_with_more_epochs_trains_every_epoch(ray_local: None, tmp_path: Path) -> None:
+    options = {"workers": 2, "rows": 60, "audit": True, "deterministic": False, "every": 2}
+    make_trainer(tmp_path, "extend", epochs=1, **options).fit()  # type: ignore[arg-type]
+    result = make_trainer(tmp_path, "extend", epochs=3, **options).fit()  # type: ignore[arg-type]
+    by_epoch = ids_by_epoch(result.samples_path or "")
+    assert sorted(by_epoch) == [0, 1, 2]
+    for epoch, ids in by_epoch.items():
+        assert sorted(ids) == list(range(60)), f"epoch {epoch}: duplicates or missing ids"
+    assert read_jsonl(result.metrics_path)[-1]["step"] == 9  # 3 epochs x 3 steps of 20
+
+
+def test_adamw_groups_zero1_cosine_and_clipping_resume_exactly(ray_local: None, tmp_path: Path) -> None:
+    """AdamW with three parameter groups (own weight decay, half LR for the first layer) under zero1 at W=2, a
+    cosine schedule with warmup over an explicit decay length, clipping: the LR follows the schedule, and a run
+    stopped at step 4 and resumed equals the run that never stopped (the sharded state came back)."""
+    lr = LRConfig(base_lr=0.01, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=8)
+    options = {
+        "workers": 2,
+        "strategy": "zero1",
+        "optimizer_fn": adamw_groups,
+        "lr": lr,
+        "max_grad_norm": 0.5,
+        "epochs": 5,
+    }
+    full = read_jsonl(make_trainer(tmp_path, "full", steps=8, **options).fit().metrics_path)  # type: ignore[arg-type]
+    expected = [
+        0.01 * lr_factor(s, warmup_steps=2, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for s in range(8)
+    ]
+    assert [m["lr"] for m in full] == pytest.approx(expected)
+    assert all(m["grad_norm"] > 0 for m in full)
+    make_trainer(tmp_path, "split", steps=4, every=4, **options).fit()  # type: ignore[arg-type]
+    resumed = read_jsonl(make_trainer(tmp_path, "split", steps=8, every=4, **options).fit().metrics_path)  # type: ignore[arg-type]
+    for a, b in zip(full[4:], resumed[4:], strict=True):
+        assert (b["step"], b["lr"]) == (a["step"], pytest.approx(a["lr"]))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+
+
+def test_a_torn_last_line_in_metrics_does_not_break_the_resume(ray_local: None, tmp_path: Path) -> None:
+    make_trainer(tmp_path, "torn", workers=1, steps=4, every=2).fit()
+    metrics = tmp_path / "torn" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 5, "epoch": 0, "lo')  # a crash or a full disk mid-write
+    result = make_trainer(tmp_path, "torn", workers=1, steps=6, every=2).fit()
+    assert [m["step"] for m in read_jsonl(result.metrics_path)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
+def test_drop_last_with_a_batch_larger_than_the_data_fails_on_the_driver(
+    ray_local: None, tmp_path: Path, deterministic: bool
+) -> None:
+    trainer = make_trainer(
+        tmp_path, "big", workers=2, rows=30, global_batch=40, drop_last=True, deterministic=deterministic
+    )
+    with pytest.raises(ConfigError, match=r"global_batch \(40\) is larger than the training set \(30 rows\)"):
+        trainer.fit()
+    assert not (tmp_path / "big").exists()  # no worker ever started
