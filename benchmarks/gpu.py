@@ -213,7 +213,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args["warmup"]):
-        loss = train_step(model, optimizer, loss_fn, batches(), world, world * k * mb)
+        loss, _ = train_step(model, optimizer, loss_fn, batches(), world, world * k * mb)
     data = [batches() for _ in range(args["steps"])]
     if cuda:
         torch.cuda.synchronize(device)
@@ -221,7 +221,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     COUNTER.calls.clear()
     started = time.perf_counter()
     for step_batches in data:
-        loss = train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb)
+        loss, _ = train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb)
     if cuda:
         torch.cuda.synchronize(device)
     dist.barrier()

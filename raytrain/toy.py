@@ -73,12 +73,9 @@ def adamw_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     first layer at half the LR (as one might treat an embedding)."""
     named = list(model.named_parameters())
     first = named[0][0].rsplit(".", 1)[0]  # the module that owns the first parameter
-    return torch.optim.AdamW(
-        [
-            {"params": [p for n, p in named if p.ndim >= 2 and n.startswith(first + ".")], "lr": 0.5 * lr},
-            {"params": [p for n, p in named if p.ndim >= 2 and not n.startswith(first + ".")]},
-            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=lr,
-        weight_decay=0.1,
-    )
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in named if p.ndim >= 2 and n.startswith(first + ".")], "lr": 0.5 * lr},
+        {"params": [p for n, p in named if p.ndim >= 2 and not n.startswith(first + ".")]},
+        {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
