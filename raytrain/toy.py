@@ -6,6 +6,7 @@ module-level functions) so Ray can ship them to workers by reference.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -66,6 +67,12 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     """AdamW with weight decay 0.01."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+
+def inverse_sqrt_schedule(step: int, total_steps: int) -> float:
+    """An `lr_schedule_fn`: the factor 1 / sqrt(step + 1) of the peak LR (the "rsqrt" schedule; ignores the
+    run's length)."""
+    return 1.0 / math.sqrt(step + 1)
 
 
 def adamw_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:

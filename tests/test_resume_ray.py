@@ -11,7 +11,7 @@ from ray_helpers import ids_by_epoch, make_trainer, read_jsonl
 from raytrain.config import LRConfig
 from raytrain.errors import ConfigError
 from raytrain.lr_rules import lr_factor
-from raytrain.toy import adamw_groups
+from raytrain.toy import adamw_groups, inverse_sqrt_schedule
 
 pytestmark = pytest.mark.ray
 
@@ -95,3 +95,18 @@ def test_drop_last_with_a_batch_larger_than_the_data_fails_on_the_driver(
     with pytest.raises(ConfigError, match=r"global_batch \(40\) is larger than the training set \(30 rows\)"):
         trainer.fit()
     assert not (tmp_path / "big").exists()  # no worker ever started
+
+
+def test_a_user_lr_schedule_sets_every_steps_lr(ray_local: None, tmp_path: Path) -> None:
+    lr = LRConfig(base_lr=0.05)
+    result = make_trainer(tmp_path, "hook", workers=2, steps=5, lr=lr, lr_schedule_fn=inverse_sqrt_schedule).fit()
+    assert [m["lr"] for m in read_jsonl(result.metrics_path)] == pytest.approx(
+        [0.05 / (s + 1) ** 0.5 for s in range(5)]
+    )
+
+
+def test_a_broken_lr_schedule_fails_on_the_driver(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "badhook", workers=2, steps=5, lr_schedule_fn=lambda step, total: -1.0)
+    with pytest.raises(ConfigError, match=r"lr_schedule_fn .*\(0, 5\) must return a finite number >= 0.*got -1.0"):
+        trainer.fit()
+    assert not (tmp_path / "badhook").exists()
