@@ -15,8 +15,9 @@ raytrain's own `apply_parallelism`):
 "syncs/step" is gradient bytes reduced per optimizer step divided by the bytes of one full fp32 gradient: 1.0
 means one gradient synchronisation per step whatever k is; a naive loop pays k. Reduce-scatters are counted by
 their (padded, full-size) input, so FSDP2's value can exceed 1.0 by its padding. FSDP2 parameter all-gathers
-are reported beside it: `set_requires_gradient_sync(False)` skips the reduce-scatter, not the all-gathers, so
-zero3 still gathers every unit in every micro-step's forward and backward.
+are reported beside it: raytrain's zero2 keeps parameters gathered from the first micro-step to the last
+(`set_reshard_after_backward(False)` until the last), so it gathers each unit once per step whatever k is; zero3
+re-gathers every unit in every micro-step's forward and backward (that is ZeRO-3's memory promise).
 ms/step is the median wall time of a step on rank 0 (CPU/gloo), the two loops' steps interleaved; for the
 side-by-side ratio only.
 """
@@ -41,7 +42,7 @@ from _common import init_gloo, machine_line, print_headline, spawn_world, table
 from torch import nn
 
 from raytrain.optim import build_optimizer
-from raytrain.parallelize import apply_parallelism, gradient_sync
+from raytrain.parallelize import apply_parallelism, gradient_sync, step_policy
 from raytrain.worker_loop import train_step
 
 WORLD = 2
@@ -156,7 +157,9 @@ def measure(rank: int, strategy: str, k: int, steps: int) -> list[dict[str, Any]
         optimizer = build_optimizer(model, torch.optim.AdamW, 1e-3, strategy)
         if strategy == "ddp":
             model.register_comm_hook(COUNTER, ddp_counting_hook)
-        setups[loop] = (model, optimizer, train_step if loop == "raytrain" else naive_step)
+        policy = step_policy(strategy, WORLD, "fp32", "unsharded")  # what the loop uses: zero2 keeps params gathered
+        raytrain_step = functools.partial(train_step, policy=policy)
+        setups[loop] = (model, optimizer, raytrain_step if loop == "raytrain" else naive_step)
     step_total = WORLD * k * MICRO_BATCH
     for model, optimizer, step_fn in setups.values():  # warm-up (DDP builds its buckets in the first step)
         step_fn(model, optimizer, loss_fn, micro_batches(rank, k, -1), WORLD, step_total)
@@ -266,7 +269,8 @@ def main() -> None:
     print(
         "note: DDP splits the gradients into 2 buckets here (its first bucket is capped at 1 MB), so one sync is 2 "
         "all-reduce calls. At k = 1 both loops run the same code: the ms/step difference there is this machine's "
-        "timing noise. zero2/zero3 all-gathers are the same in both loops (no_sync skips only the reduce-scatter)."
+        "timing noise. raytrain's zero2 gathers each unit once per step at any k (parameters kept gathered across "
+        "micro-steps); zero3 re-gathers in every micro-step, in both loops."
     )
     for strategy in STRATEGIES:
         seen = sum(r["reduce_calls_per_step"] for r in rows if r["strategy"] == strategy)
@@ -283,6 +287,8 @@ def main() -> None:
             "zero3_syncs_per_step_raytrain": round(by_key[("zero3", "raytrain", top)]["syncs_per_step"], 3),
             "zero3_syncs_per_step_naive": round(by_key[("zero3", "naive", top)]["syncs_per_step"], 3),
             "zero3_all_gathers_per_step_raytrain": by_key[("zero3", "raytrain", top)]["all_gathers_per_step"],
+            "zero2_all_gathers_per_step_raytrain": by_key[("zero2", "raytrain", top)]["all_gathers_per_step"],
+            "zero2_all_gathers_per_step_raytrain_k1": by_key[("zero2", "raytrain", min(ks))]["all_gathers_per_step"],
             "ddp_step_time_ratio_naive_over_raytrain": round(
                 by_key[("ddp", "naive", top)]["ms_per_step"] / by_key[("ddp", "raytrain", top)]["ms_per_step"], 3
             ),

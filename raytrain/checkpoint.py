@@ -52,6 +52,7 @@ class TrainState:
     global_batch: int = 0
     base_batch: int = 0
     peak_lr: float = 0.0
+    loss_scale: dict[str, Any] = field(default_factory=dict)  # fp16: the GradScaler's state
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
 

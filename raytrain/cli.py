@@ -291,6 +291,7 @@ def _run_fit(args: argparse.Namespace) -> int:
         loop=job.spec.loop,
         checkpoint=job.spec.checkpoint,
         cluster=job.spec.cluster,
+        parallel=job.spec.parallel,
         required_columns=job.required_columns,
         lr_schedule_fn=job.entries.get("lr_schedule"),
     )

@@ -16,6 +16,17 @@ from raytrain.lr_rules import lr_factor, peak_lr, validate_lr_rule, validate_sch
 
 StrategyName = Literal["auto", "ddp", "zero1", "zero2", "zero3"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+GradAccumulation = Literal["auto", "unsharded", "sharded"]
+GRAD_ACCUMULATIONS: tuple[str, ...] = get_args(GradAccumulation)
+InitMode = Literal["auto", "meta", "full"]
+INIT_MODES: tuple[str, ...] = get_args(InitMode)
+
+
+def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ConfigError(f"{name} must be one of {', '.join(valid)}, got {value!r}")
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:
@@ -146,8 +157,7 @@ class LoopConfig:
         _int_at_least("epochs", self.epochs, 1)
         if self.max_steps is not None:
             _int_at_least("max_steps", self.max_steps, 1)
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        _one_of("strategy", self.strategy, STRATEGIES)
         _int_at_least("seed", self.seed, 0)
         if self.max_grad_norm is not None and (
             isinstance(self.max_grad_norm, bool)
@@ -157,6 +167,44 @@ class LoopConfig:
             raise ConfigError(f"max_grad_norm must be a finite number > 0 or None, got {self.max_grad_norm!r}")
         _int_at_least("shuffle_buffer", self.shuffle_buffer, 1)
         _int_at_least("log_every", self.log_every, 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the model is built, sharded and computed, beside the strategy (`LoopConfig.strategy`).
+
+    Attributes:
+        init: "auto" (default) builds the model on the meta device and materializes only each rank's shard,
+            initialised module by module from (seed, module name), when every module that owns tensors has a
+            `reset_parameters()` that sets them (else the full model on every rank, and the reason is logged);
+            "meta" requires the former, "full" always builds the full model. Either way the initial weights are
+            the same at every world size and strategy.
+        precision: "fp32"; "bf16" computes in bfloat16 with fp32 master weights and fp32 gradient reduction
+            (FSDP2's MixedPrecisionPolicy for zero2/zero3, autocast otherwise); "fp16" the same in float16 with
+            dynamic loss scaling (ddp and zero1 only: their gradients are whole on every rank).
+        grad_accumulation: for zero2/zero3 with accumulation (k > 1): "unsharded" accumulates the full gradient
+            and reduce-scatters it once per step (1x gradient communication, the full gradient held while
+            accumulating); "sharded" reduce-scatters after every micro-step (k x communication, only the shard
+            held); "auto" (default) takes "unsharded" when the worker's memory holds the full gradient beside
+            the rest, else "sharded", and logs why. zero2 keeps parameters gathered across micro-steps (ZeRO-2
+            holds them whole), zero3 re-gathers them in every micro-step.
+        activation_checkpointing: recompute each block's activations in the backward instead of keeping them.
+        compile: `torch.compile` each block (needs a C++ compiler on CPU; first steps pay the compilation).
+    """
+
+    init: str = "auto"
+    precision: str = "fp32"
+    grad_accumulation: str = "auto"
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        _one_of("init", self.init, INIT_MODES)
+        _one_of("precision", self.precision, PRECISIONS)
+        _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        for name in ("activation_checkpointing", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -244,8 +292,14 @@ class TrainSpec:
     loop: LoopConfig
     checkpoint: CheckpointConfig
     cluster: ClusterConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.precision == "fp16" and self.loop.strategy in ("zero2", "zero3", "auto"):
+            raise ConfigError(
+                f"precision 'fp16' needs strategy ddp or zero1 (loss scaling needs whole gradients on every rank), "
+                f"got strategy {self.loop.strategy!r}; use precision 'bf16' with zero2/zero3"
+            )
         if self.cluster.max_workers > self.batch.global_batch:
             raise ConfigError(
                 f"max_workers must be <= global_batch ({self.batch.global_batch}), got {self.cluster.max_workers}"

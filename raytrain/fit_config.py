@@ -13,7 +13,7 @@ The file names Python entries for the builders and holds the config fields, one 
     required_columns = ["x", "y"]
 
     [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
-    [checkpoint] -> CheckpointConfig [cluster] -> ClusterConfig
+    [checkpoint] -> CheckpointConfig [cluster] -> ClusterConfig [parallel] -> ParallelConfig (optional)
 
 Unknown tables or keys are errors that name the key and the valid ones. Command-line flags override file values.
 """
@@ -28,7 +28,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, TrainSpec
+from raytrain.config import (
+    BatchConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    LoopConfig,
+    LRConfig,
+    ParallelConfig,
+    TrainSpec,
+)
 from raytrain.errors import ConfigError
 
 SECTIONS: dict[str, type] = {
@@ -37,6 +45,7 @@ SECTIONS: dict[str, type] = {
     "loop": LoopConfig,
     "checkpoint": CheckpointConfig,
     "cluster": ClusterConfig,
+    "parallel": ParallelConfig,
 }
 ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
 OPTIONAL_ENTRY_KEYS = ("lr_schedule",)

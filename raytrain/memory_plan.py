@@ -332,3 +332,103 @@ def format_memory_table(plan: MemoryPlan) -> str:
         lines.append(row)
     lines.append(f"recommendation: {plan.recommendation or '-'} ({plan.reason})")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- what raytrain's loop holds
+
+
+@dataclass(frozen=True)
+class LoopMemory:
+    """Bytes one rank holds at the peak of an optimizer step of raytrain's loop, by kind (see `loop_memory`).
+
+    `parts` maps a kind to its bytes: params (fp32 masters, or their shards), grads (whole for DDP, shards for
+    FSDP), optimizer (states), ddp_buckets, gathered (FSDP's unsharded parameters alive at once), unit_transient
+    (what FSDP allocates around one unit's backward: its unsharded gradient and reduce-scatter buffer, and for
+    zero3 the unit's and the prefetched unit's gathered parameters), accumulated_grads (the whole gradient held
+    between micro-steps), cast (autocast's low-precision weight copies). Activations are not counted: they depend
+    on the model and the micro-batch.
+    """
+
+    strategy: str
+    world_size: int
+    accumulation_steps: int
+    grad_accumulation: str
+    precision: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        """The peak bytes: the sum of the parts."""
+        return sum(self.parts.values())
+
+
+def loop_memory(
+    num_params: int,
+    strategy: str,
+    world_size: int,
+    *,
+    largest_unit_params: int = 0,
+    root_unit_params: int | None = None,
+    optimizer_bytes_per_param: int = 8,
+    accumulation_steps: int = 1,
+    grad_accumulation: str = "unsharded",
+    precision: str = "fp32",
+) -> LoopMemory:
+    """Peak per-rank bytes of raytrain's implementation of `strategy` (not the ZeRO paper's idealisation), with
+    fp32 master weights and gradients, o = `optimizer_bytes_per_param` (AdamW 8), c the compute dtype's bytes (4
+    for fp32, 2 for bf16/fp16), U the largest FSDP unit, R the root unit (what no block claims; default U) and
+    Ψ/W rounded up:
+
+        ddp    params 4Ψ + grads 4Ψ + DDP buckets 4Ψ (W > 1) + optimizer oΨ (+ cΨ autocast copies, c < 4)
+        zero1  the same with the optimizer state oΨ/W
+        zero2  shards (4 + o)Ψ/W + every unit gathered cΨ + (c + 4)U around one unit's backward
+               + while accumulating (k > 1): gradient shards 4Ψ/W (sharded) or the whole gradient 4Ψ (unsharded)
+        zero3  shards (4 + o)Ψ/W + (3c + 4)U around one unit's backward (its gathered parameters, the prefetched
+               unit's, its unsharded gradient and reduce-scatter buffer) + cR (FSDP2 keeps the root gathered
+               from its forward to the end of the backward)
+               + gradient shards 4Ψ/W, or the whole gradient 4Ψ while accumulating unsharded (k > 1)
+
+    zero2's peak is at the start of the backward, when every unit is still gathered and gradient shards are not
+    yet produced; zero3's at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or
+    sharded: params, grads and optimizer state only. Measured against real allocations in
+    `benchmarks/memory.py`. Raises `ConfigError` for values out of range.
+    """
+    psi = _check_int("num_params", num_params, 1)
+    w = _check_int("world_size", world_size, 1)
+    unit = min(_check_int("largest_unit_params", largest_unit_params, 0), psi)
+    root = unit if root_unit_params is None else min(_check_int("root_unit_params", root_unit_params, 0), psi)
+    o = _check_int("optimizer_bytes_per_param", optimizer_bytes_per_param, 0)
+    k = _check_int("accumulation_steps", accumulation_steps, 1)
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if grad_accumulation not in ("unsharded", "sharded"):
+        raise ConfigError(f"grad_accumulation must be unsharded or sharded, got {grad_accumulation!r}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"precision must be one of fp32, bf16, fp16, got {precision!r}")
+    c = 4 if precision == "fp32" else 2
+    parts: dict[str, int]
+    if w == 1 or strategy in ("ddp", "zero1"):
+        parts = {"params": 4 * psi, "grads": 4 * psi}
+        if w > 1:
+            parts["ddp_buckets"] = 4 * psi
+        parts["optimizer"] = o * (_shard(psi, w) if strategy == "zero1" else psi)
+        if c != 4:
+            parts["cast"] = c * psi
+        return LoopMemory(strategy, w, k, grad_accumulation, precision, parts)
+    shard = _shard(psi, w)
+    parts = {"params": 4 * shard, "optimizer": o * shard}
+    accumulating_whole = k > 1 and grad_accumulation == "unsharded"
+    if strategy == "zero2":
+        parts["gathered"] = c * psi
+        parts["unit_transient"] = (c + 4) * unit
+        if accumulating_whole:
+            parts["accumulated_grads"] = 4 * psi
+        elif k > 1:
+            parts["grads"] = 4 * shard
+    else:
+        parts["unit_transient"] = (3 * c + 4) * unit + c * root
+        if accumulating_whole:
+            parts["accumulated_grads"] = 4 * psi
+        else:
+            parts["grads"] = 4 * shard
+    return LoopMemory(strategy, w, k, grad_accumulation, precision, parts)

@@ -4,14 +4,21 @@ Strategy mapping (ZeRO stage -> PyTorch mechanism):
     ddp    DistributedDataParallel: everything replicated, gradients all-reduced once per optimizer step.
     zero1  DDP + torch's ZeroRedundancyOptimizer: optimizer state sharded over ranks, parameters and gradients
            replicated; after each step every rank broadcasts its updated parameter shard.
-    zero2  FSDP2 `fully_shard(reshard_after_forward=False)`: parameters stay gathered between forward and
-           backward; gradients are reduce-scattered, so gradients and optimizer state are sharded.
-    zero3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters are sharded too and gathered per module.
-           (zero2 in FSDP2 also keeps only the parameter shard at rest between steps; the saving over zero3 is
-           communication, not memory at rest. `raytrain plan` reports the ZeRO paper's accounting.)
+    zero2  FSDP2 `fully_shard(reshard_after_forward=False)`: parameters gathered once per step and kept whole
+           until its last backward; gradients and optimizer state sharded.
+    zero3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters sharded too, gathered per unit in every
+           forward and backward.
 
-FSDP2 wraps every direct child module that owns parameters, then the root. At world size 1 nothing is wrapped:
-there is nobody to synchronise with.
+`apply_parallelism` does, in this order (torchtitan's): activation checkpointing per block, `torch.compile` per
+block, FSDP units (each repeated block, then the root, with the mixed-precision policy), materialize the meta model
+on the device and initialise it (`raytrain.model_init`: only each rank's shard), DDP. At world size 1 nothing is
+sharded or wrapped: there is nobody to synchronise with.
+
+FSDP units: by default one unit per repeated block, i.e. each child of every `nn.ModuleList` / `nn.Sequential`
+whose children are two or more modules of one class (a transformer's layers, found generically, so a model from
+another library nested as `model.transformer.h[i]` or `model.model.layers[i]` works unchanged); a model without
+such blocks gets one unit per direct child that owns parameters. `units_fn(model) -> [modules]` chooses them
+instead, in the style of torchtitan's per-model `parallelize`.
 
 Loss normalisation contract (see `raytrain.batch_plan`): both DDP and FSDP2 average gradients over W; the loop
 multiplies the summed per-sample loss by W / B so that the average becomes the sum over the global batch.
@@ -20,50 +27,181 @@ multiplies the summed per-sample loss by W / B so that the average becomes the s
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
+from raytrain.model_init import init_weights
+
+UnitsFn = Callable[[nn.Module], list[nn.Module]]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def apply_parallelism(model: nn.Module, strategy: str, device: torch.device, world_size: int) -> nn.Module:
-    """Move `model` to `device` and wrap it for `strategy`; call once, after building, in every worker.
+@dataclass(frozen=True)
+class StepPolicy:
+    """How one optimizer step's micro-steps synchronise and compute; decided once per (re)start.
 
-    Requires an initialised default process group when `world_size` > 1. Returns the module to train.
+    reduce_every_micro_step: FSDP reduce-scatters the gradients after every micro-step (sharded accumulation);
+        otherwise only the last micro-step synchronises (DDP always works this way).
+    keep_params_gathered: FSDP keeps parameters unsharded from the first micro-step to the last (zero2).
+    autocast_dtype: compute dtype under `torch.autocast` (mixed precision without FSDP), or None.
     """
-    model = model.to(device)
-    if world_size == 1:
-        return model
-    if strategy in ("ddp", "zero1"):
+
+    reduce_every_micro_step: bool = False
+    keep_params_gathered: bool = False
+    autocast_dtype: torch.dtype | None = None
+
+
+SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step, full precision
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every repeated block: the children of each `nn.ModuleList` / `nn.Sequential` whose
+    children are two or more modules of one class that own parameters. Outermost only: a block's inner lists
+    are part of the block."""
+    blocks: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix in taken):
+            continue
+        if not isinstance(module, nn.ModuleList | nn.Sequential):
+            continue
+        children = list(module.named_children())
+        classes = {type(child) for _, child in children}
+        if len(children) >= 2 and len(classes) == 1 and any(True for _ in children[0][1].parameters()):
+            blocks += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
+            taken += [f"{name}.{child_name}" if name else child_name for child_name, _ in children]
+    return blocks
+
+
+def fsdp_units(model: nn.Module, units_fn: UnitsFn | None = None) -> tuple[list[nn.Module], str]:
+    """The modules to shard as FSDP units before the root, and a one-line reason for the log."""
+    if units_fn is not None:
+        units = list(units_fn(model))
+        return units, f"{len(units)} units from units_fn"
+    blocks = repeated_blocks(model)
+    if blocks:
+        kind = type(blocks[0][1]).__name__
+        return [module for _, module in blocks], f"{len(blocks)} repeated blocks ({kind}) + root"
+    children = [child for child in model.children() if any(True for _ in child.parameters())]
+    return children, f"no repeated blocks: {len(children)} direct children with parameters + root"
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _checkpoint_blocks(model: nn.Module) -> None:
+    """Activation checkpointing on every repeated block (else every direct child): recompute in backward."""
+    from torch.distributed._composable import checkpoint
+
+    blocks = [module for _, module in repeated_blocks(model)] or list(model.children())
+    for block in blocks:
+        checkpoint(block)
+
+
+def _compile_blocks(model: nn.Module) -> None:
+    blocks = [module for _, module in repeated_blocks(model)] or list(model.children())
+    for block in blocks:
+        block.compile()
+
+
+def apply_parallelism(
+    model: nn.Module,
+    strategy: str,
+    device: torch.device,
+    world_size: int,
+    *,
+    seed: int = 0,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    compile_blocks: bool = False,
+    units_fn: UnitsFn | None = None,
+    log: Callable[[str], None] | None = None,
+) -> nn.Module:
+    """Apply `strategy` to `model` (built on the meta device, or a real one); call once in every worker.
+
+    A meta model is materialized on `device` and initialised from `seed` after sharding, so each rank only ever
+    allocates its shard (plus one module's full parameters while initialising). Requires an initialised default
+    process group when `world_size` > 1. Returns the module to train. `log` receives one line describing the
+    FSDP units (zero2/zero3 only).
+    """
+    if strategy not in ("ddp", "zero1", "zero2", "zero3"):
+        raise ConfigError(f"strategy must be one of ddp, zero1, zero2, zero3 here, got {strategy!r}")
+    if activation_checkpointing:
+        _checkpoint_blocks(model)
+    if compile_blocks:
+        _compile_blocks(model)
+    sharded = world_size > 1 and strategy in ("zero2", "zero3")
+    if sharded:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = DTYPES.get(precision)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        reshard = strategy == "zero3"
+        units, why = fsdp_units(model, units_fn)
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+        if log is not None:
+            largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
+            log(f"FSDP units: {why}; largest unit {largest:,} parameters")
+    if _is_meta(model):
+        model.to_empty(device=device)
+        init_weights(model, seed)
+    else:
+        model.to(device)
+    if world_size > 1 and strategy in ("ddp", "zero1"):
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-    if strategy in ("zero2", "zero3"):
-        from torch.distributed.fsdp import fully_shard
+    return model
 
-        reshard = strategy == "zero3"
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-        return model
-    raise ConfigError(f"strategy must be one of ddp, zero1, zero2, zero3 here, got {strategy!r}")
+
+def step_policy(strategy: str, world_size: int, precision: str, grad_accumulation: str) -> StepPolicy:
+    """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded")."""
+    sharded = world_size > 1 and strategy in ("zero2", "zero3")
+    return StepPolicy(
+        reduce_every_micro_step=sharded and grad_accumulation == "sharded",
+        keep_params_gathered=sharded and strategy == "zero2",
+        autocast_dtype=None if sharded else DTYPES.get(precision),
+    )
 
 
 @contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Context for one micro-step's forward and backward: with `enabled=False`, gradients are only
-    accumulated locally (DDP `no_sync`, FSDP2 `set_requires_gradient_sync(False)`); the last micro-step of an
-    optimizer step runs with `enabled=True` and synchronises the accumulated sum once."""
+def micro_step(model: nn.Module, *, last: bool, policy: StepPolicy) -> Iterator[None]:
+    """Context for one micro-step's forward and backward. Gradient sync on the last micro-step only (DDP
+    `no_sync`, FSDP2 `set_requires_gradient_sync`), or on every one with `reduce_every_micro_step`; zero2's
+    parameters stay gathered until the last backward; autocast when the policy asks for it."""
+    autocast = (
+        torch.autocast(device_type=_device_type(model), dtype=policy.autocast_dtype)
+        if policy.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        with contextlib.nullcontext() if enabled else model.no_sync():
+        with contextlib.nullcontext() if last else model.no_sync(), autocast:
             yield
         return
     set_sync = getattr(model, "set_requires_gradient_sync", None)
     if set_sync is not None:
-        set_sync(enabled)
-    yield
+        set_sync(last or policy.reduce_every_micro_step)
+        model.set_reshard_after_backward(last or not policy.keep_params_gathered)  # type: ignore[operator]
+    with autocast:
+        yield
+
+
+def _device_type(model: nn.Module) -> str:
+    parameter = next(model.parameters(), None)
+    return parameter.device.type if parameter is not None else "cpu"
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """`micro_step` with the default policy: sync only when `enabled` (the last micro-step)."""
+    with micro_step(model, last=enabled, policy=SYNC_LAST_MICRO_STEP):
+        yield
 
 
 def unwrap(model: nn.Module) -> nn.Module:

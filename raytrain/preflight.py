@@ -67,3 +67,18 @@ def check_lr_schedule_fn(fn: Callable[[int, int], float], total_steps: int) -> N
                 f"lr_schedule_fn {_name(fn)}({step}, {total_steps}) must return a finite number >= 0 (a factor of "
                 f"the peak LR), got {value!r}"
             )
+
+
+def check_units_fn(units_fn: Callable[[nn.Module], list[nn.Module]], model: nn.Module) -> None:
+    """`units_fn(model)` returns a list of distinct submodules of `model` (not the root: raytrain adds it);
+    `ConfigError` naming what is wrong otherwise."""
+    try:
+        units = units_fn(model)
+    except Exception as err:
+        raise ConfigError(f"units_fn {_name(units_fn)} raised {type(err).__name__}: {err}") from None
+    members = {id(m) for m in model.modules() if m is not model}
+    if not isinstance(units, list | tuple) or not all(isinstance(u, nn.Module) and id(u) in members for u in units):
+        raise ConfigError(
+            f"units_fn {_name(units_fn)} must return a list of submodules of the model (not the model itself), "
+            f"got {units!r:.200}"
+        )

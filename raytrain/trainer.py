@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, TrainSpec
+from raytrain.config import (
+    BatchConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    LoopConfig,
+    LRConfig,
+    ParallelConfig,
+    TrainSpec,
+)
 from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 
@@ -133,14 +141,17 @@ class ElasticTrainer:
         loop: LoopConfig | None = None,
         checkpoint: CheckpointConfig | None = None,
         cluster: ClusterConfig | None = None,
+        parallel: ParallelConfig | None = None,
         required_columns: Sequence[str] = (),
         lr_schedule_fn: Callable[[int, int], float] | None = None,
+        units_fn: Callable[[nn.Module], list[nn.Module]] | None = None,
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
                 raise ConfigError(f"{name} must be callable, got {fn!r}")
-        if lr_schedule_fn is not None and not callable(lr_schedule_fn):
-            raise ConfigError(f"lr_schedule_fn must be callable or None, got {lr_schedule_fn!r}")
+        for name, hook in (("lr_schedule_fn", lr_schedule_fn), ("units_fn", units_fn)):
+            if hook is not None and not callable(hook):
+                raise ConfigError(f"{name} must be callable or None, got {hook!r}")
         if "train" not in datasets:
             raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
         self.spec = TrainSpec(
@@ -149,6 +160,7 @@ class ElasticTrainer:
             loop=loop or LoopConfig(),
             checkpoint=checkpoint or CheckpointConfig(),
             cluster=cluster or ClusterConfig(),
+            parallel=parallel or ParallelConfig(),
         )
         if not self.spec.loop.deterministic and not self.spec.loop.id_column:
             raise ConfigError(
@@ -165,17 +177,41 @@ class ElasticTrainer:
             )
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
+        self.units_fn = units_fn
+        self.meta_init = False  # decided by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
 
     def check_user_functions(self) -> None:
-        """Build the model on the meta device and the optimizer over it (shardable for zero1); raise
-        `ConfigError` naming the function that fails. Called by `fit` before any worker starts."""
+        """Build the model on the meta device and the optimizer over it (shardable for zero1), decide how the
+        workers build the model (`ParallelConfig.init`) and say why; raise `ConfigError` naming the function that
+        fails. Called by `fit` before any worker starts."""
+        from raytrain.model_init import check_init
         from raytrain.preflight import build_model_for_check, check_optimizer_fn
 
         model = build_model_for_check(self.model_fn)
         spec = self.spec
         check_optimizer_fn(self.optimizer_fn, model, spec.lr.peak_lr(spec.batch.global_batch), spec.loop.strategy)
+        if self.units_fn is not None:
+            from raytrain.preflight import check_units_fn
+
+            check_units_fn(self.units_fn, model)
+        mode = spec.parallel.init
+        if mode == "full":
+            blocker: str | None = "init 'full' was asked for"
+        elif not all(p.is_meta for p in model.parameters()):
+            blocker = "model_fn cannot build on the meta device"
+        else:
+            blocker = check_init(model, spec.loop.seed)
+        if blocker is not None and mode == "meta":
+            raise ConfigError(f"init 'meta' is not possible for this model: {blocker}; use init 'auto' or 'full'")
+        self.meta_init = blocker is None
+        how = (
+            "on the meta device; each rank materializes only its shard"
+            if self.meta_init
+            else f"whole on every rank ({blocker})"
+        )
+        print(f"[raytrain] model init: {how}", flush=True)
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
@@ -205,6 +241,8 @@ class ElasticTrainer:
             loss_fn=self.loss_fn,
             optimizer_fn=self.optimizer_fn,
             lr_schedule_fn=self.lr_schedule_fn,
+            units_fn=self.units_fn,
+            meta_init=self.meta_init,
             **data,
         )
 

@@ -25,9 +25,16 @@ from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, lr_ratios, set_lr
-from raytrain.parallelize import apply_parallelism, gradient_sync
+from raytrain.parallelize import (
+    SYNC_LAST_MICRO_STEP,
+    StepPolicy,
+    UnitsFn,
+    apply_parallelism,
+    micro_step,
+    step_policy,
+)
 from raytrain.rank0 import Rank0Log
-from raytrain.strategy import resolve_strategy
+from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -45,6 +52,8 @@ class WorkerJob:
     loss_fn: LossFn
     optimizer_fn: OptimizerFactory
     lr_schedule_fn: LRScheduleFn | None = None
+    units_fn: UnitsFn | None = None
+    meta_init: bool = False  # decided on the driver (`raytrain.model_init.check_init`)
     data: IndexedData | None = None  # deterministic mode
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
@@ -68,29 +77,40 @@ def train_step(
     world_size: int,
     step_total: int,
     max_grad_norm: float | None = None,
+    policy: StepPolicy = SYNC_LAST_MICRO_STEP,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> tuple[float, float | None]:
     """One optimizer step over this rank's micro-batches; returns (the rank's summed per-sample loss, the global
     gradient norm before clipping, or None without `max_grad_norm`).
 
     Each backward() adds to the gradients, so normalise by the step's global sample count here: the summed
-    per-sample loss times W / B, because DDP/FSDP then average over W. Only the last micro-step syncs; clipping
-    runs after it, on the gradient of the whole global batch.
+    per-sample loss times W / B, because DDP/FSDP then average over W. Gradients sync as `policy` says (by
+    default on the last micro-step only); clipping runs after the last, on the gradient of the whole global
+    batch. With `scaler` (fp16) the loss is scaled, the gradients unscaled before clipping, and a step with
+    non-finite gradients skipped on every rank alike (their gradients are whole and identical).
     """
     optimizer.zero_grad(set_to_none=True)
     scale = world_size / step_total
     local_sum = 0.0
     for j, batch in enumerate(micro_batches):
-        with gradient_sync(model, enabled=j == len(micro_batches) - 1):
+        with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
             losses = loss_fn(model, batch)
             rows = len(next(iter(batch.values())))
             if losses.dim() != 1 or losses.shape[0] != rows:
                 raise ValueError(
                     f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
                 )
-            (losses.sum() * scale).backward()
-        local_sum += float(losses.detach().sum())
+            loss = losses.float().sum() * scale
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        local_sum += float(losses.detach().float().sum())
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm is not None else None
-    optimizer.step()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
     return local_sum, grad_norm
 
 
@@ -139,6 +159,8 @@ class Run:
     device: torch.device
     plan: BatchPlan
     strategy: str
+    policy: StepPolicy
+    scaler: torch.amp.GradScaler | None
     model: nn.Module
     optimizer: torch.optim.Optimizer
     lr_ratios: list[float]  # each parameter group's LR relative to the peak
@@ -181,6 +203,16 @@ class Run:
         return self.peak_lr * self.spec.lr.factor(step, total)
 
 
+def build_model(job: WorkerJob) -> nn.Module:
+    """The user's model: on the meta device when the driver found that it initialises module by module (each
+    rank then materializes only its shard), else whole on the CPU after seeding; the same weights at every W."""
+    if job.meta_init:
+        with torch.device("meta"):
+            return job.model_fn()
+    torch.manual_seed(job.spec.loop.seed)
+    return job.model_fn()
+
+
 def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, np.ndarray, bool]:
     """The latest checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True), or a
     fresh state and False when there is none."""
@@ -205,14 +237,42 @@ def start_run(job: WorkerJob) -> Run:
     plan = spec.batch.plan(world)
     global_batch = spec.batch.global_batch
 
-    torch.manual_seed(spec.loop.seed)  # identical initial weights on every rank
-    model = job.model_fn()
-    strategy = resolve_strategy(spec.loop.strategy, model, world, device)
-    model = apply_parallelism(model, strategy, device, world)
+    model = build_model(job)
+    parallel = spec.parallel
+    layout = resolve_layout(
+        spec.loop.strategy,
+        parallel.grad_accumulation,
+        model,
+        world_size=world,
+        accumulation_steps=plan.accumulation_steps,
+        precision=parallel.precision,
+        device=device,
+        local_workers=context.get_local_world_size(),
+        units_fn=job.units_fn,
+    )
+    if layout.reason:
+        log.print(layout.reason)
+    strategy = layout.strategy
+    model = apply_parallelism(
+        model,
+        strategy,
+        device,
+        world,
+        seed=spec.loop.seed,
+        precision=parallel.precision,
+        activation_checkpointing=parallel.activation_checkpointing,
+        compile_blocks=parallel.compile,
+        units_fn=job.units_fn,
+        log=log.print,
+    )
+    policy = step_policy(strategy, world, parallel.precision, layout.grad_accumulation)
+    scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
     state, consumed, restored = _restore(model, optimizer)
+    if scaler is not None and state.loss_scale:
+        scaler.load_state_dict(state.loss_scale)
 
     base_batch = spec.lr.base_batch or state.base_batch or global_batch
     peak = spec.lr.peak_lr(global_batch, base_batch)
@@ -252,6 +312,8 @@ def start_run(job: WorkerJob) -> Run:
         device=device,
         plan=plan,
         strategy=strategy,
+        policy=policy,
+        scaler=scaler,
         model=model,
         optimizer=optimizer,
         lr_ratios=ratios,
@@ -288,7 +350,15 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
     started = time.perf_counter()
     total = step.plan.global_batch
     local_loss, grad_norm = train_step(
-        run.model, run.optimizer, run.job.loss_fn, step.micro_batches, run.world, total, spec.loop.max_grad_norm
+        run.model,
+        run.optimizer,
+        run.job.loss_fn,
+        step.micro_batches,
+        run.world,
+        total,
+        spec.loop.max_grad_norm,
+        run.policy,
+        run.scaler,
     )
     loss_sum = all_reduce_sum(local_loss)
     state.step, state.sample_in_epoch, state.samples_seen = (
@@ -366,6 +436,7 @@ def _commit(run: Run, metrics: dict[str, Any]) -> int:
         spec.to_dict(),
     )
     state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
+    state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     directory = save_checkpoint(run.model, run.optimizer, state, run.rank, run.source.consumed_ids())
     _report(metrics, directory, spec.checkpoint.wait_for_commit)
     return state.step

@@ -54,10 +54,12 @@ def test_communication_quick() -> None:
 
 
 def test_memory_quick() -> None:
+    """Real allocations (LiveBytes) against the planner at W = 2, both accumulation modes; meta init's peak."""
     headline = run_benchmark("memory.py")
-    assert "worst_planner_error" in headline
-    assert headline["worst_planner_error"] < 0.1
-    assert headline["zero3_within_1_1_ddp_over_w"] is True
+    assert headline["worst_planner_error"] <= 0.10, headline
+    assert headline["loss_matches_w1"] is True and headline["auto_fits"] is True
+    # Built on meta and sharded: about half the parameters per rank at W = 2, not the whole model first.
+    assert headline["init_peak_fraction"] < 0.8 < headline["init_peak_fraction_full_build"], headline
 
 
 def test_gpu_quick_skips_or_runs() -> None:

@@ -36,8 +36,9 @@ from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
 from raytrain.data import rank_micro_batches as _rank_micro_batches
+from raytrain.model_init import init_weights
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
-from raytrain.parallelize import apply_parallelism, gradient_sync
+from raytrain.parallelize import apply_parallelism, gradient_sync, step_policy
 from raytrain.worker_loop import seed_step, train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -66,6 +67,10 @@ class Case:
     max_grad_norm: float | None = None
     lr_factors: tuple[float, ...] | None = None  # the schedule's factor per step (None: constant)
     dropout: bool = False
+    blocks: bool = False  # a model of repeated residual blocks, built on the meta device (per-block FSDP units)
+    grad_accumulation: str = "unsharded"
+    checkpointing: bool = False
+    precision: str = "fp32"  # "bf16": a float32 model under bf16 compute, against the fp32 run
 
     @property
     def name(self) -> str:
@@ -74,7 +79,14 @@ class Case:
         extra += f"-clip{self.max_grad_norm}" if self.max_grad_norm else ""
         extra += "-sched" if self.lr_factors else ""
         extra += "-dropout" if self.dropout else ""
+        extra += f"-blocks-{self.grad_accumulation}" if self.blocks else ""
+        extra += "-ac" if self.checkpointing else ""
+        extra += f"-{self.precision}" if self.precision != "fp32" else ""
         return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{extra}"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision != "fp32" else torch.float64
 
 
 def _cap_for(global_batch: int, world: int, accumulation: int) -> int:
@@ -113,12 +125,27 @@ def _groups_case(strategy: str, world: int) -> Case:
     return _full_case(strategy, world, 2, optimizer="adamw_groups", lr_factors=LR_FACTORS)
 
 
+def _init_case(strategy: str, world: int) -> Case:
+    """No step at all: the initial weights of the meta-built block model."""
+    return replace(_full_case(strategy, world, 1, blocks=True), step_sizes=())
+
+
+def _block_cases(strategy: str, world: int) -> list[Case]:
+    """The block model built on meta: both gradient accumulation modes at k = 4, activation checkpointing, bf16."""
+    modes = ("unsharded", "sharded") if strategy in ("zero2", "zero3") else ("unsharded",)
+    cases = [_full_case(strategy, world, 4, blocks=True, grad_accumulation=mode) for mode in modes]
+    cases.append(_full_case(strategy, world, 2, blocks=True, checkpointing=True))
+    cases.append(_full_case(strategy, world, 2, blocks=True, precision="bf16"))
+    return cases
+
+
 def _cases_for_world(world: int) -> list[Case]:
     cases = []
     for strategy in STRATEGIES:
         cases += [_full_case(strategy, world, k) for k in ACCUMULATIONS]
         cases.append(_full_case(strategy, world, 2, optimizer="adam"))
         cases += [_clip_case(strategy, world), _groups_case(strategy, world)]
+        cases += [_init_case(strategy, world), *_block_cases(strategy, world)]
         if world == 3:
             cases += [_partial_case(strategy, last) for last in PARTIAL_SIZES]
     if world == NEGATIVE.world:
@@ -131,9 +158,46 @@ def _cases_for_world(world: int) -> list[Case]:
 # ---------------------------------------------------------------- shared by the reference and the workers
 
 
-def _build_model(dropout: bool = False) -> nn.Module:
+class Block(nn.Module):
+    """A residual block, repeated: what FSDP shards as one unit each."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class BlockModel(nn.Module):
+    """In -> 3 repeated blocks (a ModuleList nested one level down, as in models from other libraries) -> out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(5, 8)
+        self.trunk = nn.Module()
+        self.trunk.layers = nn.ModuleList(Block(8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.trunk.layers:  # type: ignore[union-attr]
+            h = layer(h)
+        return self.head(h)
+
+
+def _build_model(case: Case | None = None, *, on_meta: bool = False) -> nn.Module:
+    """The case's model: the small MLP (seeded, on the CPU) or the block model (on meta for the workers; for the
+    reference materialized and initialised the way raytrain does it, from the seed and module names)."""
+    if case is not None and case.blocks:
+        with torch.device("meta"):
+            model = BlockModel().to(case.dtype)
+        if not on_meta:
+            model.to_empty(device="cpu")
+            init_weights(model, seed=0)
+        return model
     torch.manual_seed(0)
-    if dropout:
+    if case is not None and case.dropout:
         return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1)).double()
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
 
@@ -190,8 +254,8 @@ def _step_plan(case: Case, size: int) -> BatchPlan:
 def _reference(case: Case) -> dict[str, torch.Tensor]:
     """Plain torch in one process: per optimizer step the mean loss over the step's samples, one backward, clipping
     with torch's own `clip_grad_norm_`, each group's LR set by hand, one step."""
-    columns = _columns()
-    model = _build_model(case.dropout)
+    columns = {k: v.astype(np.float32) if case.dtype == torch.float32 else v for k, v in _columns().items()}
+    model = _build_model(case)
     lr = LR[case.optimizer]
     opt = call_optimizer_fn(_optimizer_fn(case.optimizer), model, lr)
     base = [group["lr"] for group in opt.param_groups]
@@ -210,8 +274,21 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
 
 
 def _reference_of(case: Case) -> dict[str, torch.Tensor]:
-    """The reference for `case`'s training (world size, strategy and split do not enter it)."""
-    return _reference(replace(case, strategy="", world=1, accumulation=0, cap=0, wrong_scale=False))
+    """The reference for `case`'s training: plain fp32/float64 torch in one process (world size, strategy, split,
+    accumulation mode, checkpointing and compute precision do not enter it)."""
+    return _reference(
+        replace(
+            case,
+            strategy="",
+            world=1,
+            accumulation=0,
+            cap=0,
+            wrong_scale=False,
+            grad_accumulation="",
+            checkpointing=False,
+            precision="fp32" if case.precision == "fp32" else "float32",
+        )
+    )
 
 
 # ---------------------------------------------------------------- the spawned ranks
@@ -241,14 +318,30 @@ def _assert_wrapped(case: Case, model: nn.Module, optimizer: torch.optim.Optimiz
     if case.strategy in ("ddp", "zero1"):
         assert isinstance(model, nn.parallel.DistributedDataParallel)
     else:
+        from torch.distributed.fsdp import FSDPModule
+
         assert all(isinstance(p, DTensor) for p in model.parameters())
+        if case.blocks:  # one FSDP unit per repeated block, found through the nested ModuleList
+            assert all(isinstance(block, FSDPModule) for block in model.trunk.layers)  # type: ignore[union-attr]
+            assert not isinstance(model.embed, FSDPModule)  # the rest belongs to the root unit
 
 
 def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     device = torch.device("cpu")
-    model = apply_parallelism(_build_model(case.dropout), case.strategy, device, case.world)
+    model = apply_parallelism(
+        _build_model(case, on_meta=True),
+        case.strategy,
+        device,
+        case.world,
+        seed=0,
+        precision=case.precision,
+        activation_checkpointing=case.checkpointing,
+    )
+    policy = step_policy(case.strategy, case.world, case.precision, case.grad_accumulation)
+    if case.dtype == torch.float32:
+        columns = {k: v.astype(np.float32) for k, v in columns.items()}
     lr = LR[case.optimizer]
     optimizer = build_optimizer(model, _optimizer_fn(case.optimizer), lr, case.strategy)
     ratios = lr_ratios(optimizer, lr)
@@ -262,7 +355,7 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
         if case.wrong_scale:
             _wrong_train_step(model, optimizer, _loss_fn, batches)
         else:
-            train_step(model, optimizer, _loss_fn, batches, case.world, len(positions), case.max_grad_norm)
+            train_step(model, optimizer, _loss_fn, batches, case.world, len(positions), case.max_grad_norm, policy)
     # A collective for FSDP2 (all ranks call it); strips DDP's "module." prefix.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {name: tensor.detach().clone() for name, tensor in state.items()}
@@ -342,12 +435,12 @@ def _max_abs_diff(params: dict[str, torch.Tensor], reference: dict[str, torch.Te
     return max(float((params[name] - reference[name]).abs().max()) for name in reference)
 
 
-def _check(world_results, case: Case) -> float:
+def _check(world_results, case: Case, tolerance: float = TOLERANCE) -> float:
     """Rank 0 (and every other rank: replicas must agree, FSDP2 gathers on all) equals the reference."""
     reference = _reference_of(case)
     diffs = [_max_abs_diff(params, reference) for params in _params_of(world_results, case)]
     print(f"{case.name}: max abs diff per rank {', '.join(f'{d:.3e}' for d in diffs)}")
-    assert max(diffs) <= TOLERANCE, f"{case.name}: max abs diff per rank {diffs} > {TOLERANCE}"
+    assert max(diffs) <= tolerance, f"{case.name}: max abs diff per rank {diffs} > {tolerance}"
     return max(diffs)
 
 
@@ -384,6 +477,47 @@ def test_partial_final_step_normalised_by_its_size(world_results, strategy: str,
     assert sum(plan.per_rank_samples) == last < GLOBAL_BATCH[3]
     assert (min(plan.per_rank_samples) == 0) == (last < 3)  # with 2 samples, rank 2 only runs empty micro-steps
     _check(world_results, case)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_meta_init_gives_the_same_initial_weights_at_every_w_and_strategy(
+    world_results, strategy: str, world: int
+) -> None:
+    """Built on meta, sharded, then each rank's shard initialised from (seed, module name): the full weights equal
+    the single-process initialisation exactly, whatever W and the strategy."""
+    case = _init_case(strategy, world)
+    assert _check(world_results, case, tolerance=0.0) == 0.0
+    assert _max_abs_diff(_reference_of(case), _reference_of(replace(case, strategy="zero3"))) == 0.0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_per_block_units_and_both_accumulation_modes_match_full_batch(world_results, strategy: str, world: int) -> None:
+    """Per-block FSDP units on a meta-built model at k = 4: gradients accumulated whole and synced once, or
+    reduce-scattered after every micro-step (zero2 keeping parameters gathered, zero3 re-gathering them)."""
+    for case in _block_cases(strategy, world):
+        if not case.checkpointing and case.precision == "fp32":
+            _check(world_results, case)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_activation_checkpointing_matches_full_batch(world_results, strategy: str, world: int) -> None:
+    _check(world_results, next(c for c in _block_cases(strategy, world) if c.checkpointing))
+
+
+BF16_TOLERANCE = 3e-2  # bf16 has 8 bits of mantissa: ~4e-3 relative per rounding, over 3 steps of SGD
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+def test_bf16_compute_stays_within_bf16_tolerance_of_fp32(world_results, strategy: str, world: int) -> None:
+    """bf16 compute with fp32 master weights and fp32 reduction against the fp32 single-process run: close to
+    bf16's precision, and not identical (so bf16 really was used)."""
+    case = next(c for c in _block_cases(strategy, world) if c.precision == "bf16")
+    diff = _check(world_results, case, tolerance=BF16_TOLERANCE)
+    assert diff > 1e-6, f"{case.name}: identical to fp32 ({diff}): bf16 was not applied"
 
 
 def test_reference_trains() -> None:
