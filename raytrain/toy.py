@@ -54,6 +54,35 @@ def mlp_factory(features: int = 8, hidden: int = 32, dropout: float = 0.0) -> pa
     return partial(mlp, features, hidden, dropout=dropout)
 
 
+class ResidualBlock(nn.Module):
+    """x + W2 tanh(W1 LayerNorm(x)): the repeated unit of `block_mlp` (one FSDP unit each)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual update of `x` [n, width]."""
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+def block_mlp(features: int = 8, width: int = 32, blocks: int = 4) -> nn.Module:
+    """A regressor built like a transformer's trunk: in-projection, `blocks` residual blocks, head: [n, f] -> [n]."""
+    return nn.Sequential(
+        nn.Linear(features, width),
+        nn.Sequential(*(ResidualBlock(width) for _ in range(blocks))),
+        nn.Linear(width, 1),
+        nn.Flatten(0),
+    )
+
+
+def block_mlp_factory(features: int = 8, width: int = 32, blocks: int = 4) -> partial[nn.Module]:
+    """A picklable `model_fn` building `block_mlp(features, width, blocks)`."""
+    return partial(block_mlp, features, width, blocks)
+
+
 def squared_error(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-sample squared error of `model(batch["x"])` against `batch["y"]`: shape [n]."""
     return (model(batch["x"]) - batch["y"]) ** 2

@@ -156,3 +156,49 @@ def test_auto_layout_takes_the_least_communication_that_fits_and_says_why() -> N
     assert roomier.grad_accumulation == "unsharded" and "within" in roomier.reason
     with pytest.raises(ConfigError, match=r"strategy 'auto': the model .* does not fit on 4 worker"):
         choose_layout("auto", "auto", memory_bytes=10_000_000, **kwargs)  # type: ignore[arg-type]
+
+
+def _trainer(model_fn, **parallel):  # type: ignore[no-untyped-def]
+    from raytrain.config import BatchConfig, LoopConfig, LRConfig, ParallelConfig
+    from raytrain.toy import sgd, squared_error
+    from raytrain.trainer import ElasticTrainer
+
+    return ElasticTrainer(
+        model_fn=model_fn,
+        loss_fn=squared_error,
+        optimizer_fn=sgd,
+        datasets={"train": None},
+        batch=BatchConfig(global_batch=8, micro_batch=4),
+        lr=LRConfig(base_lr=0.1),
+        loop=LoopConfig(strategy=parallel.pop("strategy", "zero3")),
+        parallel=ParallelConfig(**parallel),
+    )
+
+
+def test_the_driver_decides_how_workers_build_the_model_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    meta = _trainer(GPT2Like)
+    meta.check_user_functions()
+    assert meta.meta_init
+    assert "model init: on the meta device; each rank materializes only its shard" in capsys.readouterr().out
+    full = _trainer(lambda: nn.Sequential(nn.Linear(2, 2), OwnInit()))
+    full.check_user_functions()
+    assert not full.meta_init
+    assert "model init: whole on every rank (module '1' (OwnInit) owns parameters" in capsys.readouterr().out
+    forced = _trainer(lambda: nn.Sequential(nn.Linear(2, 2), OwnInit()), init="meta")
+    with pytest.raises(ConfigError, match=r"init 'meta' is not possible for this model: module '1' \(OwnInit\)"):
+        forced.check_user_functions()
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"precision": "fp8"}, "precision must be one of fp32, bf16, fp16, got 'fp8'"),
+        ({"grad_accumulation": "lazy"}, "grad_accumulation must be one of auto, unsharded, sharded, got 'lazy'"),
+        ({"init": "zeros"}, "init must be one of auto, meta, full, got 'zeros'"),
+        ({"activation_checkpointing": "yes"}, "activation_checkpointing must be true or false, got 'yes'"),
+        ({"precision": "fp16"}, "precision 'fp16' needs strategy ddp or zero1 .* got strategy 'zero3'"),
+    ],
+)
+def test_bad_parallel_options_name_the_field_and_the_valid_values(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _trainer(GPT2Like, **options)

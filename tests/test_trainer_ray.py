@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from ray_helpers import ROWS, make_trainer, read_jsonl
 
-from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig
+from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
 from raytrain.errors import ConfigError
-from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error
+from raytrain.toy import block_mlp_factory, mlp_factory, regression_dataset, sgd, squared_error
 from raytrain.trainer import ElasticTrainer
 
 pytestmark = pytest.mark.ray
@@ -139,3 +139,27 @@ def test_indexed_data_orders_rows_by_id_whatever_the_block_order(ray_local: None
         columns = data.load_columns()
         assert np.array_equal(columns["id"], np.arange(6))
         assert np.array_equal(columns["x"], np.arange(6, dtype=float))
+
+
+def test_zero3_per_block_units_with_checkpointing_follow_the_w1_curve(ray_local: None, tmp_path: Path) -> None:
+    """A block model built on meta, zero3 with one FSDP unit per block and activation checkpointing at W = 3,
+    against plain W = 1: the same initial weights (meta init from the seed and module names) and loss curve."""
+    options = {"model_fn": block_mlp_factory(8, 16, 3), "lr": LRConfig(base_lr=0.05), "steps": 6}
+    parallel = ParallelConfig(activation_checkpointing=True, grad_accumulation="sharded")
+    one = read_jsonl(make_trainer(tmp_path, "b1", workers=1, **options).fit().metrics_path)  # type: ignore[arg-type]
+    three = make_trainer(tmp_path, "b3", workers=3, strategy="zero3", parallel=parallel, **options)  # type: ignore[arg-type]
+    lines = read_jsonl(three.fit().metrics_path)
+    assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in lines]
+    for a, b in zip(one, lines, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_bf16_zero2_trains_end_to_end(ray_local: None, tmp_path: Path) -> None:
+    parallel = ParallelConfig(precision="bf16")
+    model_fn = block_mlp_factory(8, 16, 3)
+    lr = LRConfig(base_lr=0.05)
+    trainer = make_trainer(
+        tmp_path, "bf16", workers=2, steps=10, strategy="zero2", model_fn=model_fn, parallel=parallel, lr=lr
+    )
+    lines = read_jsonl(trainer.fit().metrics_path)
+    assert len(lines) == 10 and sum(m["loss"] for m in lines[-3:]) < sum(m["loss"] for m in lines[:3])
