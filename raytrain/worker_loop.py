@@ -171,28 +171,12 @@ class Run:
     log: Rank0Log
     state: TrainState
     restored: bool
+    total_steps: int | None  # the run's length in steps, when known (deterministic mode, or max_steps)
 
     @property
     def spec(self) -> TrainSpec:
         """The run's validated configuration."""
         return self.job.spec
-
-    @property
-    def total_steps(self) -> int | None:
-        """The run's length in optimizer steps, when known (always in deterministic mode, else `max_steps`)."""
-        loop = self.spec.loop
-        if isinstance(self.source, IndexedSteps):
-            return run_total_steps(
-                num_rows=self.source.num_rows,
-                global_batch=self.spec.batch.global_batch,
-                drop_last=self.spec.batch.drop_last,
-                epochs=loop.epochs,
-                max_steps=loop.max_steps,
-                step=self.state.step,
-                epoch=self.state.epoch,
-                sample_in_epoch=self.state.sample_in_epoch,
-            )
-        return loop.max_steps
 
     def lr_at(self, step: int) -> float:
         """The peak-relative LR of optimizer step `step` times the peak: the user's schedule hook, or warmup and
@@ -223,6 +207,46 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainS
         return TrainState(), np.zeros(0, dtype=np.int64), False
     with checkpoint.as_directory() as directory:
         return (*load_checkpoint(directory, model, optimizer), True)
+
+
+def _step_source(
+    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: np.ndarray
+) -> IndexedSteps | StreamingSteps:
+    """The data of every step for this rank: deterministic mode's indexed order, or the streaming shard."""
+    spec = job.spec
+    if spec.loop.deterministic:
+        assert job.data is not None, "deterministic mode needs the driver's IndexedData"
+        return IndexedSteps(
+            job.data, seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
+        )
+    return StreamingSteps(
+        id_column=spec.loop.id_column or "",
+        seed=spec.loop.seed,
+        plan=plan,
+        rank=rank,
+        device=device,
+        shuffle_buffer=spec.loop.shuffle_buffer,
+        consumed=consumed,
+        drop_last=spec.batch.drop_last,
+        empty=job.empty_batch or {},
+    )
+
+
+def _total_steps(spec: TrainSpec, source: IndexedSteps | StreamingSteps, state: TrainState) -> int | None:
+    """The run's length in optimizer steps from the restored position: known in deterministic mode (the data
+    size and the global batch give it), else `max_steps` (None when unset)."""
+    if isinstance(source, IndexedSteps):
+        return run_total_steps(
+            num_rows=source.num_rows,
+            global_batch=spec.batch.global_batch,
+            drop_last=spec.batch.drop_last,
+            epochs=spec.loop.epochs,
+            max_steps=spec.loop.max_steps,
+            step=state.step,
+            epoch=state.epoch,
+            sample_in_epoch=state.sample_in_epoch,
+        )
+    return spec.loop.max_steps
 
 
 def start_run(job: WorkerJob) -> Run:
@@ -287,24 +311,7 @@ def start_run(job: WorkerJob) -> Run:
     if warning:
         log.print(f"WARNING: {warning}")
 
-    source: IndexedSteps | StreamingSteps
-    if spec.loop.deterministic:
-        assert job.data is not None, "deterministic mode needs the driver's IndexedData"
-        source = IndexedSteps(
-            job.data, seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
-        )
-    else:
-        source = StreamingSteps(
-            id_column=spec.loop.id_column or "",
-            seed=spec.loop.seed,
-            plan=plan,
-            rank=rank,
-            device=device,
-            shuffle_buffer=spec.loop.shuffle_buffer,
-            consumed=consumed,
-            drop_last=spec.batch.drop_last,
-            empty=job.empty_batch or {},
-        )
+    source = _step_source(job, plan, rank, device, consumed)
     run = Run(
         job=job,
         rank=rank,
@@ -324,6 +331,7 @@ def start_run(job: WorkerJob) -> Run:
         log=log,
         state=state,
         restored=restored,
+        total_steps=_total_steps(spec, source, state),
     )
     log.total_steps = run.total_steps
     log.start(
