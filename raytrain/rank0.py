@@ -61,6 +61,7 @@ class Rank0Log:
         self.log_every = log_every
         self.out = out
         self._started = time.monotonic()
+        self._files: dict[str, TextIO] = {}  # open for appending, one per file name, after `start` trimmed them
         self.total_steps: int | None = None  # for the progress bar, when known
         if self.active and run_dir:
             os.makedirs(run_dir, exist_ok=True)
@@ -69,10 +70,15 @@ class Rank0Log:
         return os.path.join(self.run_dir, name) if self.run_dir else None
 
     def _append(self, name: str, record: dict[str, Any]) -> None:
+        """Append one JSON line and flush it (a reader, e.g. the demo, follows the file while training runs)."""
         path = self._path(name)
-        if path:
-            with open(path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if not path:
+            return
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = open(path, "a")  # noqa: SIM115  # kept open for the worker's lifetime
+        f.write(json.dumps(record) + "\n")
+        f.flush()
 
     def print(self, message: str) -> None:
         """Print one line on rank 0."""
@@ -89,6 +95,7 @@ class Rank0Log:
         least world_size, plan, lr, strategy) to events.jsonl and logs the resize line against the previous start."""
         if not self.active:
             return
+        self.close()  # the files are rewritten below; appends reopen them
         for name in (METRICS_FILE, SAMPLES_FILE, EVENTS_FILE):
             path = self._path(name)
             if path and (torn := _truncate_after(path, restored_step if name != EVENTS_FILE else 2**62)):
@@ -119,6 +126,12 @@ class Rank0Log:
                 f"loss {metrics['loss']:.4f} | "
                 f"world {metrics['world_size']} | lr {metrics['lr']:.3e} | {rate:,.0f} samples/s"
             )
+
+    def close(self) -> None:
+        """Close the files `_append` keeps open (the loop calls it when the worker's training ends)."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Print the end-of-run summary."""
