@@ -80,6 +80,7 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
         }
         log.step(metrics, [step])
     log.start(restored_step=3, event={**event, "step": 3})  # a restart from the step-3 checkpoint
+    log.close()
     metrics_steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sample_steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert metrics_steps == sample_steps == [1, 2, 3]
