@@ -128,3 +128,9 @@ def load_checkpoint(
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
     return state, np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False)
+
+
+def read_step(directory: str) -> int:
+    """The step a checkpoint directory was written at (its train state only; nothing is loaded)."""
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        return int(json.load(f).get("step", 0))

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, UserCodeError
 
 if TYPE_CHECKING:
     from raytrain.fit_config import FitJob
@@ -354,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         return int(args.run(args))
-    except ConfigError as err:
+    except (ConfigError, UserCodeError) as err:
         if args.verbose:
             raise
         print(f"raytrain: error: {err}", file=sys.stderr)

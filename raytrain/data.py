@@ -66,6 +66,14 @@ class IndexedData:
         by_id = np.argsort(ids, kind="stable")
         return cls(refs, int(ids.size), ids[by_id].astype(np.int64), tuple(schema_names), by_id)
 
+    def head(self, rows: int) -> dict[str, np.ndarray]:
+        """The first `rows` rows of the first block as numpy columns (on the driver, for checks)."""
+        import ray
+        from ray.data.block import BlockAccessor
+
+        block = BlockAccessor.for_block(ray.get(self.block_refs[0])).to_numpy()
+        return {name: _as_array([np.asarray(block[name])])[:rows] for name in self.columns}
+
     def load_columns(self) -> dict[str, np.ndarray]:
         """Fetch every block and return one numpy array per column, rows ordered by id (call in a worker)."""
         import ray

@@ -3,3 +3,9 @@
 
 class ConfigError(ValueError):
     """A user-supplied setting is invalid; the message names the field, the value and the valid range."""
+
+
+class UserCodeError(RuntimeError):
+    """The user's code (model, loss, optimizer, schedule) raised the same exception at the same step in two worker
+    group attempts: a bug, not a node or worker failure, so raytrain stops instead of retrying. The message names
+    the exception, the step and the rank."""

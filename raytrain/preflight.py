@@ -10,6 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -82,3 +83,59 @@ def check_units_fn(units_fn: Callable[[nn.Module], list[nn.Module]], model: nn.M
             f"units_fn {_name(units_fn)} must return a list of submodules of the model (not the model itself), "
             f"got {units!r:.200}"
         )
+
+
+CPU_CHECK_MAX_PARAMS = 50_000_000  # a real CPU model for the loss check only up to this size (200 MB in fp32)
+
+
+def check_loss_fn(
+    loss_fn: Callable[..., Any],
+    model: nn.Module,
+    sample: dict[str, np.ndarray],
+    build_cpu_model: Callable[[], nn.Module],
+) -> str:
+    """Run `loss_fn(model, batch)` on a few real samples, as a worker would, and check it returns one loss per
+    sample; `ConfigError` naming the function, what was expected and what came back. `model` may be on the meta
+    device (shapes only, no compute); if the call fails there, a real CPU model from `build_cpu_model` (when it
+    has at most `CPU_CHECK_MAX_PARAMS` parameters) decides whether the failure is the code's or meta's.
+    Returns a note for the log ("" when the check ran)."""
+    from raytrain.data import to_tensors
+
+    rows = len(next(iter(sample.values())))
+    columns = sorted(sample)
+    on_meta = any(p.is_meta for p in model.parameters())
+    try:
+        losses = _call_loss(loss_fn, model, to_tensors(sample, "meta" if on_meta else "cpu"))
+    except Exception as err:
+        size = sum(p.numel() for p in model.parameters())
+        if not on_meta or isinstance(err, KeyError):
+            raise _loss_error(loss_fn, err, rows, columns) from None
+        if size > CPU_CHECK_MAX_PARAMS:
+            return (
+                f"loss_fn check skipped: it does not run on the meta device ({type(err).__name__}) and the model "
+                "is too large for a CPU check"
+            )
+        try:
+            losses = _call_loss(loss_fn, build_cpu_model(), to_tensors(sample, "cpu"))
+        except Exception as cpu_err:
+            raise _loss_error(loss_fn, cpu_err, rows, columns) from None
+    if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != rows:
+        got = f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ConfigError(
+            f"loss_fn {_name(loss_fn)} must return one loss per sample, a tensor of shape [{rows}] for {rows} "
+            f"samples, got {got} (raytrain sums and normalises them itself: return e.g. "
+            "F.cross_entropy(..., reduction='none'), not a mean)"
+        )
+    return ""
+
+
+def _call_loss(loss_fn: Callable[..., Any], model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    with torch.no_grad():
+        return loss_fn(model, batch)
+
+
+def _loss_error(loss_fn: Callable[..., Any], err: Exception, rows: int, columns: list[str]) -> ConfigError:
+    return ConfigError(
+        f"loss_fn {_name(loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with columns "
+        f"{columns}"
+    )

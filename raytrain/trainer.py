@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from raytrain.config import (
@@ -28,7 +29,7 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
-from raytrain.errors import ConfigError
+from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 
 if TYPE_CHECKING:
@@ -213,6 +214,20 @@ class ElasticTrainer:
         )
         print(f"[raytrain] model init: {how}", flush=True)
 
+    def check_loss_fn(self, sample: dict[str, Any]) -> None:
+        """Run `loss_fn` on `sample` (a few real training rows) with the model, before any worker starts:
+        `ConfigError` when it raises (e.g. a column it reads does not exist) or returns anything but one loss per
+        sample. Call after `check_user_functions`."""
+        from raytrain.preflight import build_model_for_check, check_loss_fn
+
+        def cpu_model() -> nn.Module:
+            torch.manual_seed(self.spec.loop.seed)
+            return self.model_fn()
+
+        note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
+        if note:
+            print(f"[raytrain] {note}", flush=True)
+
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
         from raytrain.data import run_total_steps
@@ -254,8 +269,10 @@ class ElasticTrainer:
         # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
+        from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data import IndexedData, check_columns, steps_per_epoch
+        from raytrain.ray_hooks import StopRepeatedUserErrors
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
@@ -275,12 +292,14 @@ class ElasticTrainer:
         if spec.loop.deterministic:
             data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
+            self.check_loss_fn(data.head(2))
             job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))
             if spec.batch.drop_last:  # counting may read the data once; only needed for this check
                 steps_per_epoch(train.count(), spec.batch.global_batch, drop_last=True)
-            first = train.take_batch(1, batch_format="numpy")
+            first = train.take_batch(2, batch_format="numpy")
+            self.check_loss_fn(first)
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in first.items()})
             trainer_datasets["train"] = train
         cluster = spec.cluster
@@ -306,9 +325,15 @@ class ElasticTrainer:
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
                 worker_runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV_DEFAULTS}},
+                callbacks=[StopRepeatedUserErrors()],  # type: ignore[list-item]  # V2 callbacks; V1 stubs
             ),
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except ControllerError as err:  # raytrain's controller callback stopped a bug from being retried
+            if isinstance(err.controller_failure, UserCodeError):
+                raise err.controller_failure from None
+            raise
         return FitResult(
             metrics=result.metrics,
             checkpoint=result.checkpoint,

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from raytrain.batch_plan import BatchPlan
-from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint import TrainState, load_checkpoint, read_step, save_checkpoint
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.failures import mark
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, lr_ratios, set_lr
 from raytrain.parallelize import (
@@ -397,8 +398,40 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Entry point given to `TorchTrainer`; `config["job"]` is the `WorkerJob` built by `ElasticTrainer`."""
-    run = start_run(config["job"])
+    """Entry point given to `TorchTrainer`; `config["job"]` is the `WorkerJob` built by `ElasticTrainer`.
+
+    An exception that escapes is marked with the step it happened at (`raytrain.failures.mark`), so that the
+    controller can tell a bug that recurs at the same step from a failure worth a restart.
+    """
+    job: WorkerJob = config["job"]
+    try:
+        run = start_run(job)
+    except Exception as err:
+        mark(err, _checkpoint_step(), "start")
+        raise
+    try:
+        _train(run)
+    except Exception as err:
+        mark(err, run.state.step, "step")
+        raise
+
+
+def _checkpoint_step() -> int:
+    """The step of the checkpoint this start resumes from (0 without one, -1 when it cannot be read)."""
+    import ray.train
+
+    try:
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return 0
+        with checkpoint.as_directory() as directory:
+            return read_step(directory)
+    except Exception:
+        return -1
+
+
+def _train(run: Run) -> None:
+    """The step loop of one worker-group start, from the restored position to the end of the run."""
     spec, state = run.spec, run.state
     max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}

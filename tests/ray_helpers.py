@@ -32,12 +32,14 @@ def make_trainer(
     lr: LRConfig | None = None,
     max_grad_norm: float | None = None,
     drop_last: bool = False,
+    loss_fn: Any = squared_error,
+    max_failures: int = 0,
     **kwargs: Any,
 ) -> ElasticTrainer:
     """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails)."""
     return ElasticTrainer(
         model_fn=model_fn or mlp_factory(8, 16),
-        loss_fn=squared_error,
+        loss_fn=loss_fn,
         optimizer_fn=optimizer_fn,
         datasets={"train": regression_dataset(rows)},
         batch=BatchConfig(global_batch=global_batch, micro_batch=micro_batch, drop_last=drop_last),
@@ -53,7 +55,7 @@ def make_trainer(
             max_grad_norm=max_grad_norm,
         ),
         checkpoint=CheckpointConfig(storage_path=str(tmp), run_name=run, every_steps=every),
-        cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=0),
+        cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=max_failures),
         required_columns=("x", "y"),
         **kwargs,
     )

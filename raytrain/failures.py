@@ -1,0 +1,49 @@
+"""Telling a bug in the user's code from a failure worth a restart.
+
+Ray Train restarts the worker group after any worker error, up to `max_failures` times: right for a lost node or
+a killed worker, minutes of identical tracebacks for a `loss_fn` that returns the wrong shape. The worker loop
+marks every exception that escapes it with the optimizer step it happened at (`mark`); a controller callback
+(`raytrain.ray_hooks.StopRepeatedUserErrors`) compares the marked errors of each failed attempt with those of
+the earlier ones, and the first exception seen again at the same step ends the run with `UserCodeError`.
+A worker that dies (SIGKILL, a lost node) raises nothing in Python and is never marked: it is always retried.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEP_ATTRIBUTE = "raytrain_step"
+WHERE_ATTRIBUTE = "raytrain_where"
+
+
+def mark(error: BaseException, step: int, where: str) -> None:
+    """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from) and the
+    phase ("start" or "step") in which it escaped the worker loop. Travels with the exception when Ray pickles it."""
+    setattr(error, STEP_ATTRIBUTE, step)
+    setattr(error, WHERE_ATTRIBUTE, where)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What makes two failures "the same": exception type, the first line of its message, step and phase."""
+
+    kind: str
+    message: str
+    step: int
+    where: str
+
+    def describe(self, rank: int) -> str:
+        """One line for the user: where and what."""
+        at = f"at step {self.step}" if self.where == "step" else f"while starting at step {self.step}"
+        return f"{self.kind}: {self.message} ({at} on rank {rank})"
+
+
+def signature(error: BaseException) -> Signature | None:
+    """The failure's signature, or None for an error the worker loop did not mark (not raised by its code)."""
+    step = getattr(error, STEP_ATTRIBUTE, None)
+    if step is None:
+        return None
+    lines = str(error).strip().splitlines()
+    return Signature(
+        type(error).__name__, lines[0] if lines else "", int(step), getattr(error, WHERE_ATTRIBUTE, "step")
+    )

@@ -1,0 +1,105 @@
+"""A bug in the user's code costs seconds, not ten restarts: checked on the driver where it can be, and never
+retried twice at the same step where it cannot (real Ray, local instance)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray.cloudpickle
+import torch
+from ray_helpers import make_trainer, read_jsonl
+
+from raytrain.errors import ConfigError, UserCodeError
+from raytrain.preflight import build_model_for_check, check_loss_fn
+from raytrain.toy import mlp_factory, regression_arrays, squared_error
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mean_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return squared_error(model, batch).mean()  # the classic mistake: a mean, not one loss per sample
+
+
+def reads_a_missing_column(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["x"]) - batch["label"]) ** 2
+
+
+def fails_on_sample_42(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Fine on the driver's first rows; raises in a worker at whichever step sample 42 lands (the same step on
+    every attempt: deterministic order)."""
+    if bool((batch["id"] == 42).any()):
+        raise ValueError("sample 42 is malformed")
+    return squared_error(model, batch)
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "message"),
+    [
+        (mean_loss, r"loss_fn mean_loss must return one loss per sample, a tensor of shape \[2\] .* got shape \(\)"),
+        (reads_a_missing_column, r"loss_fn reads_a_missing_column raised KeyError: 'label' on a batch of 2 samples"),
+    ],
+)
+def test_the_loss_is_checked_on_real_samples_on_the_driver(loss_fn, message: str) -> None:  # type: ignore[no-untyped-def]
+    sample = {name: column[:2] for name, column in regression_arrays(4).items()}
+    model = build_model_for_check(mlp_factory(8, 16))
+    assert all(p.is_meta for p in model.parameters())  # shapes only: no weights are allocated for the check
+    with pytest.raises(ConfigError, match=message):
+        check_loss_fn(loss_fn, model, sample, mlp_factory(8, 16))
+    assert check_loss_fn(squared_error, model, sample, mlp_factory(8, 16)) == ""
+
+
+@pytest.mark.ray
+def test_a_bad_loss_fails_before_any_worker_starts(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "bad", workers=2)
+    trainer.loss_fn = mean_loss
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="must return one loss per sample"):
+        trainer.fit()
+    assert not (tmp_path / "bad" / "events.jsonl").exists()  # no worker ever started
+    print(f"failed after {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.ray
+def test_the_same_exception_at_the_same_step_is_not_retried_again(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "bug", workers=2, loss_fn=fails_on_sample_42, max_failures=10)
+    with pytest.raises(
+        UserCodeError, match=r"ValueError: sample 42 is malformed \(at step \d+ on rank \d\), the same in two"
+    ):
+        trainer.fit()
+    starts = read_jsonl(tmp_path / "bug" / "events.jsonl")
+    assert len(starts) == 2, f"{len(starts)} attempts of the worker group; max_failures=10 would allow 11"
+
+
+def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "entry.py").write_text(
+        "from raytrain.toy import mlp, regression_dataset, squared_error, sgd\n"
+        "def model():\n    return mlp(16, 32)\n"
+        "def loss(model, batch):\n    return squared_error(model, batch).mean()\n"
+        "def optimizer(params, lr):\n    return sgd(params, lr)\n"
+        "def datasets():\n    return {'train': regression_dataset(64, features=16)}\n"
+    )
+    (tmp_path / "job.toml").write_text(
+        '[entry]\nmodel = "entry.py:model"\nloss = "entry.py:loss"\noptimizer = "entry.py:optimizer"\n'
+        'datasets = "entry.py:datasets"\n[batch]\nglobal_batch = 16\nmicro_batch = 8\n[lr]\nbase_lr = 0.1\n'
+        f'[checkpoint]\nstorage_path = "{tmp_path / "runs"}"\n[loop]\nid_column = "id"\n'
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "raytrain.cli", "fit", str(tmp_path / "job.toml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("raytrain: error:")]
+    assert len(errors) == 1 and "loss_fn loss must return one loss per sample" in errors[0], completed.stderr[-2000:]
+    assert "Traceback" not in completed.stderr
+    assert not (tmp_path / "runs" / "run" / "events.jsonl").exists()
