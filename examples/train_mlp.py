@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from raytrain.config import STRATEGIES, BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults
+from raytrain.trainer import ElasticTrainer, connect_ray
 
 FEATURES = 16
 
@@ -108,16 +108,10 @@ def main() -> None:
 
     import ray
 
-    # Ray Train reads a few settings (quieter prints, faster failure detection) from the environment of its
-    # processes; set them before Ray starts so every Ray process inherits them.
-    apply_ray_env_defaults()
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init()  # join the cluster RAY_ADDRESS names
-    else:
-        # Each worker takes one CPU; keep two more for Ray Data's read tasks and the Ray Train controller.
-        # address="local": a new instance even when another Ray cluster runs on this machine (a bare
-        # ray.init() would join the cluster last started here, named in /tmp/ray/ray_current_cluster).
-        ray.init(address="local", num_cpus=max(4, args.workers + 2), include_dashboard=False)
+    # Join RAY_ADDRESS's cluster (checked to answer within seconds), or start a local Ray instance of our own
+    # (never the cluster another process started on this machine): each worker takes one CPU, two more are left
+    # for Ray Data and the Ray Train controller. Ray's own output stays in its log files unless RAYTRAIN_VERBOSE=1.
+    connect_ray(local_cpus=max(4, args.workers + 2))
 
     data_dir = os.path.join(os.path.abspath(args.storage), "data", "regression")
     write_parquet_dataset(data_dir, args.rows)

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
+from raytrain.console import VERBOSE_ENV, set_output
 from raytrain.errors import ConfigError, UserCodeError
 
 if TYPE_CHECKING:
@@ -22,6 +25,15 @@ if TYPE_CHECKING:
     from raytrain.trainer import FitResult
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line `raytrain: error: ...` and exit 2 (not the usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print `message` as one line and exit with code 2."""
+        self.exit(EXIT_USAGE, f"raytrain: error: {self.prog.removeprefix('raytrain ')}: {message} (see --help)\n")
 
 
 def _count(text: str) -> int:
@@ -274,12 +286,14 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 def _run_fit(args: argparse.Namespace) -> int:
     from raytrain.fit_config import describe_plan, parse_fit_config
+    from raytrain.trainer import ElasticTrainer, check_ray_address, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))
+    check_storage(job.spec)  # before any Ray process starts, in --dry-run too
     if args.dry_run:
         print(describe_plan(job))
         return 0
-    from raytrain.trainer import ElasticTrainer
+    check_ray_address()
 
     trainer = ElasticTrainer(
         model_fn=job.entries["model"],
@@ -295,8 +309,9 @@ def _run_fit(args: argparse.Namespace) -> int:
         required_columns=job.required_columns,
         lr_schedule_fn=job.entries.get("lr_schedule"),
     )
+    started = time.time()
     result = trainer.fit()
-    summary = fit_summary(result)
+    summary = fit_summary(result, started)
     print(json.dumps(summary) if args.json else "\n".join(f"{k:<16}{v}" for k, v in summary.items()))
     return 0
 
@@ -314,15 +329,18 @@ def _build_datasets(job: FitJob) -> dict[str, Any]:
     return datasets
 
 
-def fit_summary(result: FitResult) -> dict[str, Any]:
-    """The end-of-run summary: steps, epochs, restarts, final loss, where things are."""
+def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
+    """The end-of-run summary of this invocation (worker-group starts after `since`, a `time.time()`): steps,
+    the last step's epoch, the world sizes, restarts, final loss, where things are."""
     from raytrain.rank0 import read_jsonl
 
-    metrics, starts = read_jsonl(result.metrics_path), read_jsonl(result.events_path)
+    metrics = read_jsonl(result.metrics_path)
+    starts = [s for s in read_jsonl(result.events_path) if s.get("time", 0) >= since]
     return {
         "run_dir": result.run_dir,
+        "resumed_from_step": starts[0]["step"] if starts else None,
         "steps": metrics[-1]["step"] if metrics else 0,
-        "epochs": metrics[-1]["epoch"] + 1 if metrics else 0,
+        "last_epoch": metrics[-1]["epoch"] if metrics else None,
         "world_sizes": [s["world_size"] for s in starts],
         "restarts": max(0, len(starts) - 1),
         "final_loss": metrics[-1]["loss"] if metrics else None,
@@ -332,12 +350,21 @@ def fit_summary(result: FitResult) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `raytrain` argument parser with all subcommands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="raytrain",
         description="Elastic distributed PyTorch training on Ray: the effective batch, LR and sample order "
         "stay the same when workers join or leave.",
+        epilog="examples:\n"
+        "  raytrain demo                                     # elastic training on fake local nodes, ~3 min\n"
+        "  raytrain plan --global-batch 1024 --micro-batch 16 --workers 1:12\n"
+        "  raytrain fit examples/fit_mlp.toml --dry-run      # check a job and print its plan\n"
+        "  raytrain fit examples/fit_mlp.toml --workers 2    # train it (local Ray, or RAY_ADDRESS's cluster)\n"
+        "each command has --help with more examples",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--verbose", action="store_true", help="show tracebacks for errors")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show Ray's own output (workers, controller, raylets) and tracebacks"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(subparsers)
     _add_demo_parser(subparsers)
@@ -352,6 +379,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # Ray's own output on the driver (`raytrain.console`)
+    if getattr(args, "json", False):
+        set_output(sys.stderr)  # stdout carries the JSON object only
     try:
         return int(args.run(args))
     except (ConfigError, UserCodeError) as err:

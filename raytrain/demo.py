@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from raytrain.console import output
 from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, read_jsonl
 
@@ -75,11 +76,39 @@ class DemoOptions:
     timeout_s: float = 900.0
 
     def __post_init__(self) -> None:
+        """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
+        from raytrain.config import BatchConfig, ClusterConfig, LoopConfig
+
         if self.nodes < 1:
             raise ConfigError(f"nodes must be an integer >= 1, got {self.nodes}")
         if self.steps < 1:
             raise ConfigError(f"steps must be an integer >= 1, got {self.steps}")
+        for name in ("epoch_steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {getattr(self, name)}")
+        if self.sample_time_s < 0:
+            raise ConfigError(f"sample_time must be >= 0 seconds, got {self.sample_time_s}")
+        BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
+        ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
+        LoopConfig(strategy=self.strategy, seed=self.seed)
+        if self.max_workers > self.global_batch:
+            raise ConfigError(f"max_workers must be <= global_batch ({self.global_batch}), got {self.max_workers}")
         parse_events(self.events)
+
+    def warnings(self, embedded: bool) -> list[str]:
+        """Settings that are valid but cannot take effect as asked (printed before the run starts)."""
+        notes = []
+        if embedded and self.max_workers > self.nodes:
+            notes.append(
+                f"--workers allows {self.max_workers} workers but the demo cluster has {self.nodes} fake nodes with "
+                f"one worker slot each: at most {self.nodes} can run (add --nodes)"
+            )
+        for event in parse_events(self.events):
+            if event.step > self.steps:
+                notes.append(
+                    f"event {event.kind}@{event.step} is after the last step ({self.steps}): it will not happen"
+                )
+        return notes
 
 
 @dataclass(frozen=True)
@@ -189,7 +218,7 @@ class EventDriver:
         else:
             detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
         self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
-        print(f"[raytrain demo] step {step}: {event.kind}: {detail}", flush=True)
+        print(f"[raytrain demo] step {step}: {event.kind}: {detail}", file=output(), flush=True)
 
     def _note_recoveries(self) -> None:
         starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
@@ -279,21 +308,26 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     import ray
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.console import init_ray
     from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
-    from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults
+    from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, check_ray_address, check_storage_writable
 
     events = parse_events(options.events)
     run_name = options.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     external = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    for note in options.warnings(embedded=not external):
+        print(f"[raytrain demo] warning: {note}", file=output(), flush=True)
+    check_ray_address()  # seconds, not minutes, for an address nobody answers at
+    check_storage_writable(os.path.join(os.path.abspath(options.storage), run_name))
     apply_ray_env_defaults()
     cluster: FakeCluster | None = None
     if external:
         if not ray.is_initialized():
-            ray.init()
+            init_ray()
         resources: dict[str, float] = {"CPU": 1.0}
     else:
         cluster = FakeCluster(options.nodes)
-        ray.init(address=cluster.address)
+        init_ray(address=cluster.address)
         resources = {"CPU": 1.0, WORKER_SLOT: 1.0}
     features = 16
     rows = options.global_batch * options.epoch_steps  # every step, the last of an epoch too, is a full batch
@@ -332,7 +366,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             driver.skipped.append(f"{event.kind}@{event.step}: only the demo's own fake-node cluster can do this")
     driver.pending = [e for e in events if cluster is not None or e.kind == "kill"]
     for note in driver.skipped:
-        print(f"[raytrain demo] skipping {note}", flush=True)
+        print(f"[raytrain demo] skipping {note}", file=output(), flush=True)
     started = time.time()
     outcome: dict[str, Any] = {}
 

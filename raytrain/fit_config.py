@@ -141,8 +141,12 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
 
 
 def describe_plan(job: FitJob) -> str:
-    """The dry-run report: the batch plan for every W in [min, max], the memory table and the strategy."""
-    from raytrain.memory_plan import count_parameters, format_memory_table, plan_memory
+    """The dry-run report: the batch plan for every W in [min, max], the LR, the model (built on the meta device)
+    and the peak memory per worker of each strategy at `max_workers` (`raytrain.memory_plan.loop_memory`)."""
+    from raytrain.memory_plan import STRATEGIES, format_bytes, loop_memory
+    from raytrain.parallelize import fsdp_units
+    from raytrain.preflight import build_model_for_check
+    from raytrain.strategy import unit_params
 
     spec = job.spec
     lines = [f"global batch {spec.batch.global_batch}, micro-batch cap {spec.batch.micro_batch}"]
@@ -153,10 +157,28 @@ def describe_plan(job: FitJob) -> str:
         f"lr: peak {spec.lr.peak_lr(spec.batch.global_batch):.3e} ({spec.lr.rule} rule, warmup "
         f"{spec.lr.warmup_steps}, {schedule})"
     )
-    model = job.entries["model"]()
-    total, largest = count_parameters(model)
-    memory = plan_memory(total, spec.cluster.max_workers, optimizer="adam", largest_layer_params=largest)
-    lines.append(f"model: {total:,} parameters (largest layer {largest:,})")
-    lines.append(format_memory_table(memory))
-    lines.append(f"strategy: {spec.loop.strategy}")
+    model = build_model_for_check(job.entries["model"])
+    units, why = fsdp_units(model)
+    sizes = unit_params(model, units)
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    lines.append(f"model: {total:,} parameters; FSDP units: {why}, largest {max(sizes):,}")
+    world = spec.cluster.max_workers
+    k = spec.batch.plan(world).accumulation_steps
+    peaks = []
+    for name in STRATEGIES:
+        mode = "sharded" if spec.parallel.grad_accumulation == "sharded" else "unsharded"
+        plan = loop_memory(
+            total,
+            name,
+            world,
+            largest_unit_params=max(sizes),
+            root_unit_params=sizes[-1],
+            accumulation_steps=k,
+            grad_accumulation=mode,
+            precision=spec.parallel.precision,
+        )
+        peaks.append(f"{name} {format_bytes(plan.total)}")
+    lines.append(f"peak per worker at W={world}, k={k} (AdamW, without activations): " + ", ".join(peaks))
+    decided = " (chosen on the workers from their memory at every start)" if spec.loop.strategy == "auto" else ""
+    lines.append(f"strategy: {spec.loop.strategy}{decided}")
     return "\n".join(lines)

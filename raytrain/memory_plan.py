@@ -136,6 +136,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def format_bytes(num_bytes: int | float) -> str:
+    """`num_bytes` in the largest unit that keeps the number >= 1: B, kB, MB, GB, TB (powers of 1000)."""
+    value = float(num_bytes)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000:
+            return f"{value:.3g} {unit}"
+        value /= 1000
+    return f"{value:.3g} TB"
+
+
 def _gb(num_bytes: int | float) -> str:
     return f"{num_bytes / GB:.3g} GB"
 

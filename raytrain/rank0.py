@@ -5,6 +5,7 @@ unconditionally. Files live in the run directory (local storage):
     metrics.jsonl   one line per committed-or-current optimizer step
     samples.jsonl   with audit on: {"step", "epoch", "ids"} per step
     events.jsonl    one line per (re)start of the worker group: world size before and after, plans, step
+    raytrain.log    the lines printed on rank 0 (and the controller's restart lines), which the driver shows
 On restart, lines for steps after the restored checkpoint are removed: those steps are replayed (the model
 was rolled back too), so each file describes exactly one history.
 """
@@ -17,6 +18,8 @@ import sys
 import time
 from collections.abc import Iterable
 from typing import Any, TextIO
+
+from raytrain.console import LOG_FILE
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -69,21 +72,26 @@ class Rank0Log:
     def _path(self, name: str) -> str | None:
         return os.path.join(self.run_dir, name) if self.run_dir else None
 
-    def _append(self, name: str, record: dict[str, Any]) -> None:
-        """Append one JSON line and flush it (a reader, e.g. the demo, follows the file while training runs)."""
+    def _write(self, name: str, line: str) -> None:
+        """Append one line and flush it (a reader, e.g. the driver, follows the file while training runs)."""
         path = self._path(name)
         if not path:
             return
         f = self._files.get(name)
         if f is None:
             f = self._files[name] = open(path, "a")  # noqa: SIM115  # kept open for the worker's lifetime
-        f.write(json.dumps(record) + "\n")
+        f.write(line + "\n")
         f.flush()
 
+    def _append(self, name: str, record: dict[str, Any]) -> None:
+        self._write(name, json.dumps(record))
+
     def print(self, message: str) -> None:
-        """Print one line on rank 0."""
+        """Print one line on rank 0 and append it to the run's log (what the driver shows; `raytrain.console`)."""
         if self.active:
-            print(f"[raytrain] {message}", file=self.out, flush=True)
+            line = f"[raytrain] {message}"
+            print(line, file=self.out, flush=True)
+            self._write(LOG_FILE, line)
 
     def _last_event(self) -> dict[str, Any] | None:
         path = self._path(EVENTS_FILE)

@@ -6,15 +6,18 @@ comments call this the way to build workarounds on internal callbacks), but thei
 loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to the 2.x range tested.
 
     StopRepeatedUserErrors   end the run when the same marked exception recurs at the same step (a bug)
+    RunLog                   one line in <run>/raytrain.log per restart, resize or failure of the worker group
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.controller import state as controller_state
 from ray.train.v2.api.exceptions import ControllerError
 
+from raytrain.console import append_line
 from raytrain.errors import UserCodeError
 from raytrain.failures import Signature, signature
 
@@ -47,3 +50,80 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
                         "training code, not retried (the latest checkpoint is kept; fix the code and run again)"
                     )
                 )
+
+
+COLLECTIVE_NOISE = ("gloo", "nccl", "connection reset", "connection closed")
+
+
+def describe_error(error: BaseException | None) -> str:
+    """One short line for a worker-group failure: the cause rather than its echoes (a rank whose peer died sees a
+    collective's "connection reset"; the dead rank's own error says why), or the error itself."""
+    if error is None:
+        return "unknown error"
+    failures = getattr(error, "worker_failures", None)
+    if failures:
+        unwrapped = {rank: getattr(failure, "_base_exc", failure) for rank, failure in failures.items()}
+        rank, failure = min(unwrapped.items(), key=lambda item: (_is_echo(item[1]), item[0]))
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        return f"rank {rank}: {_first_sentence(failure)}{more}"
+    inner = getattr(error, "controller_failure", None)
+    return _first_sentence(inner if inner is not None else error)
+
+
+def _is_echo(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(word in text for word in COLLECTIVE_NOISE)
+
+
+def _first_sentence(error: BaseException, limit: int = 160) -> str:
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    end = text.find(". ", 20)
+    text = text[: end + 1] if 0 < end < limit else text[:limit]
+    return f"{type(error).__name__}: {text}"
+
+
+def quiet_driver_error_messages() -> None:
+    """Ray's driver prints every error the cluster publishes (a raylet's death with its last 20 log lines, for
+    instance) in full; make it one line each, `[ray] <first sentence>`. Changes only this process's printing."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "__name__", "") == "one_line":
+        return
+
+    def one_line(data: dict[str, Any], ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            original(data, ignore_prefix)
+            return
+        for message in data.get("lines", []):
+            first = next((line for line in str(message).splitlines() if line.strip()), "")
+            end = first.find(". ")
+            print(f"[ray] {first[: end + 1] if end > 0 else first[:200]}", flush=True)
+
+    ray_worker.print_to_stdstream = one_line
+
+
+class RunLog(ControllerCallback):
+    """Runs in the Ray Train controller and appends one line per state change that matters to the user to
+    `<run_dir>/raytrain.log` (the driver prints that file; Ray's own output is not forwarded by default):
+    a failed worker group being restarted, a start that failed being retried, a resize, the final error."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.run_dir = run_dir
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        """Write the line for `current_state`, if it is one of the above."""
+        error = getattr(current_state, "training_failed_error", None)
+        if isinstance(current_state, controller_state.RestartingState):
+            line = f"worker group failed ({describe_error(error)}): restarting from the latest checkpoint"
+        elif isinstance(current_state, controller_state.ReschedulingState):
+            line = f"worker group could not start ({describe_error(error)}): trying again"
+        elif isinstance(current_state, controller_state.ResizingState):
+            decision: Any = current_state.scaling_decision  # a ResizeDecision in this state
+            line = f"cluster changed: restarting the worker group at {decision.num_workers} workers"
+        elif isinstance(current_state, controller_state.ErroredState):
+            line = f"training failed: {describe_error(error)}"
+        else:
+            return
+        append_line(self.run_dir, f"[raytrain] {line}")

@@ -29,6 +29,7 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
+from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 
@@ -68,6 +69,26 @@ def check_storage_writable(path: str) -> None:
         raise ConfigError(f"storage_path {path!r} is not usable: {probe!r} {what}")
 
 
+def check_storage(spec: TrainSpec) -> str:
+    """Check, without starting anything, that the run can write where it is told to; return the run directory.
+    Raises `ConfigError` for a URI (not supported yet) or a path that is a file or not writable."""
+    if not spec.checkpoint.is_local:
+        raise ConfigError(
+            f"storage_path must be a local or shared directory for now, got {spec.checkpoint.storage_path!r}"
+        )
+    run_dir = spec.checkpoint.run_dir()
+    check_storage_writable(run_dir)
+    return run_dir
+
+
+def check_ray_address() -> None:
+    """When RAY_ADDRESS names a cluster, check within seconds that it answers (`ray.init` would retry for
+    minutes); `ConfigError` naming the address otherwise. No-op without RAY_ADDRESS."""
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        _check_reachable(address)
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Raise `ConfigError` when a "host:port" Ray address does not accept a TCP connection within `timeout_s`.
 
@@ -86,7 +107,8 @@ def connect_ray(local_cpus: int = 1) -> None:
     """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
     `local_cpus` logical CPUs; never join another process's cluster found in /tmp/ray. No-op when connected.
 
-    Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them.
+    Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them. Quiet unless
+    `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`).
     """
     import ray
 
@@ -95,10 +117,10 @@ def connect_ray(local_cpus: int = 1) -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     if address:
-        _check_reachable(address)
-        ray.init(address=address)
+        check_ray_address()
+        init_ray(address=address)
     else:
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), dashboard_host="127.0.0.1")
+        init_ray(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), dashboard_host="127.0.0.1")
 
 
 def apply_ray_env_defaults() -> None:
@@ -212,7 +234,7 @@ class ElasticTrainer:
             if self.meta_init
             else f"whole on every rank ({blocker})"
         )
-        print(f"[raytrain] model init: {how}", flush=True)
+        say(f"model init: {how}")
 
     def check_loss_fn(self, sample: dict[str, Any]) -> None:
         """Run `loss_fn` on `sample` (a few real training rows) with the model, before any worker starts:
@@ -226,7 +248,7 @@ class ElasticTrainer:
 
         note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
         if note:
-            print(f"[raytrain] {note}", flush=True)
+            say(note)
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
@@ -272,17 +294,12 @@ class ElasticTrainer:
         from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data import IndexedData, check_columns, steps_per_epoch
-        from raytrain.ray_hooks import StopRepeatedUserErrors
+        from raytrain.ray_hooks import RunLog, StopRepeatedUserErrors
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
-        if not spec.checkpoint.is_local:
-            raise ConfigError(
-                f"storage_path must be a local or shared directory for now, got {spec.checkpoint.storage_path!r}"
-            )
-        run_dir = spec.checkpoint.run_dir()
-        check_storage_writable(run_dir)
+        run_dir = check_storage(spec)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
@@ -325,15 +342,19 @@ class ElasticTrainer:
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
                 worker_runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV_DEFAULTS}},
-                callbacks=[StopRepeatedUserErrors()],  # type: ignore[list-item]  # V2 callbacks; V1 stubs
+                callbacks=[StopRepeatedUserErrors(), RunLog(run_dir)],  # type: ignore[list-item]  # V2; V1 stubs
             ),
         )
+        tail = RunLogTail(run_dir).start() if is_quiet() else None
         try:
             result = trainer.fit()
         except ControllerError as err:  # raytrain's controller callback stopped a bug from being retried
             if isinstance(err.controller_failure, UserCodeError):
                 raise err.controller_failure from None
             raise
+        finally:
+            if tail is not None:
+                tail.stop()
         return FitResult(
             metrics=result.metrics,
             checkpoint=result.checkpoint,

@@ -453,7 +453,7 @@ def _train(run: Run) -> None:
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _commit(run, metrics)
     if metrics:
-        run.log.finish({"steps": state.step, "epochs": state.epoch, "final loss": round(metrics["loss"], 6)})
+        run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:
         run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
     run.log.close()
