@@ -134,3 +134,31 @@ def read_step(directory: str) -> int:
     """The step a checkpoint directory was written at (its train state only; nothing is loaded)."""
     with open(os.path.join(directory, STATE_FILE)) as f:
         return int(json.load(f).get("step", 0))
+
+
+def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `run_dir` whose train state can be read, oldest step first.
+    A directory without one (a save cut short) is left out."""
+    found: list[tuple[int, str]] = []
+    if not os.path.isdir(run_dir):
+        return found
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and os.path.isdir(path):
+            try:
+                found.append((read_step(path), path))
+            except (OSError, ValueError):
+                continue
+    return sorted(found)
+
+
+def remove_uncommitted(run_dir: str, restored_step: int) -> list[str]:
+    """Delete the checkpoint directories of steps after `restored_step`: written by a worker group that failed
+    before Ray committed them (the restart resumed from an earlier one), so Ray's `num_to_keep` never counts or
+    deletes them. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
+    import shutil
+
+    removed = [path for step, path in checkpoint_dirs(run_dir) if step > restored_step]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed

@@ -191,6 +191,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from raytrain.demo import DemoOptions, run_demo
 
     low, high = parse_worker_range(args.workers)
+    args.run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
+    args.run_dir = os.path.join(os.path.abspath(args.storage), args.run_name)  # for an interruption's message
     options = DemoOptions(
         nodes=args.nodes,
         min_workers=low,
@@ -289,7 +291,7 @@ def _run_fit(args: argparse.Namespace) -> int:
     from raytrain.trainer import ElasticTrainer, check_ray_address, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))
-    check_storage(job.spec)  # before any Ray process starts, in --dry-run too
+    args.run_dir = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
     if args.dry_run:
         print(describe_plan(job))
         return 0
@@ -348,6 +350,23 @@ def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
     }
 
 
+def _resume_hint(args: argparse.Namespace) -> str:
+    """Where the last committed checkpoint is and the command that resumes from it (one line)."""
+    import shlex
+
+    from raytrain.checkpoint import checkpoint_dirs
+
+    run_dir = getattr(args, "run_dir", None)
+    found = checkpoint_dirs(run_dir) if run_dir else []
+    if not found:
+        return "no checkpoint was written yet" + (f" in {run_dir}" if run_dir else "")
+    step, path = found[-1]
+    command = ["raytrain", *sys.argv[1:]]
+    if args.command == "demo" and "--run-name" not in command:
+        command += ["--run-name", args.run_name]
+    return f"the last checkpoint is {path} (step {step}); resume with: {shlex.join(command)}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `raytrain` argument parser with all subcommands."""
     parser = OneLineErrorParser(
@@ -385,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_output(sys.stderr)  # stdout carries the JSON object only
     try:
         return int(args.run(args))
+    except KeyboardInterrupt:
+        print(f"raytrain: interrupted; {_resume_hint(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ConfigError, UserCodeError) as err:
         if args.verbose:
             raise

@@ -267,23 +267,62 @@ def audit_epochs(samples_path: str, num_rows: int, completed_epochs: int) -> dic
     return report
 
 
+@dataclass(frozen=True)
+class Timeline:
+    """What the demo's plot draws, computed from the run's files (pure, testable without a figure).
+
+    retrained: (first, last) step ranges trained twice: from the checkpoint a restart resumed at to the furthest
+        step trained before it (the model was rolled back).
+    recoveries: (event time, recovered time, label) in seconds since the run's first start: from a membership
+        event to the first step of the worker group it caused.
+    unplanned: (time, world size) of restarts that no applied event explains (a crash, a lost node).
+    """
+
+    retrained: list[tuple[int, int]]
+    recoveries: list[tuple[float, float, str]]
+    unplanned: list[tuple[float, int]]
+    t0: float
+
+
+def timeline(starts: list[dict[str, Any]], applied: list[AppliedEvent]) -> Timeline:
+    """The `Timeline` of a run from its events.jsonl starts and the events the demo applied."""
+    t0 = starts[0]["time"] if starts else 0.0
+    retrained = [
+        (event.restored_step + 1, max(event.peak_step, event.applied_step))
+        for event in applied
+        if event.restored_step is not None and max(event.peak_step, event.applied_step) > event.restored_step
+    ]
+    recoveries = [
+        (event.time - t0, event.recovered_time - t0, event.kind)
+        for event in applied
+        if event.recovered_time is not None
+    ]
+    explained = [(event.time, event.recovered_time or float("inf")) for event in applied]
+    unplanned = [
+        (start["time"] - t0, start["world_size"])
+        for start in starts[1:]
+        if not any(begin <= start["time"] <= end for begin, end in explained)
+    ]
+    return Timeline(retrained, recoveries, unplanned, t0)
+
+
 def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
-    """Loss per step with the world size on a second axis and each event marked; writes a PNG to `path`."""
+    """Two panels, written as a PNG to `path`: the loss per step (steps trained twice shaded, events marked), and
+    the world size over wall-clock time (integer ticks; each event's span until training resumed shaded;
+    restarts no event explains marked with a red x)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     metrics = read_jsonl(os.path.join(run_dir, METRICS_FILE))
-    steps = [m["step"] for m in metrics]
-    fig, loss_axis = plt.subplots(figsize=(9, 4.5))
-    loss_axis.plot(steps, [m["loss"] for m in metrics], color="tab:blue", label="loss")
-    loss_axis.set_xlabel("optimizer step")
-    loss_axis.set_ylabel("training loss", color="tab:blue")
-    world_axis = loss_axis.twinx()
-    world_axis.step(steps, [m["world_size"] for m in metrics], where="post", color="tab:orange", label="workers")
-    world_axis.set_ylabel("workers (world size)", color="tab:orange")
-    world_axis.set_ylim(0, max([m["world_size"] for m in metrics] + [1]) + 1)
+    starts = read_jsonl(os.path.join(run_dir, EVENTS_FILE))
+    line = timeline(starts, applied)
+    fig, (loss_axis, world_axis) = plt.subplots(2, 1, figsize=(9, 7))
+    loss_axis.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], color="tab:blue", label="loss")
+    for first, last in line.retrained:
+        loss_axis.axvspan(first - 0.5, last + 0.5, color="tab:red", alpha=0.15, lw=0)
     for event in applied:
         loss_axis.axvline(event.applied_step, color="gray", linestyle="--", linewidth=1)
         loss_axis.annotate(
@@ -295,8 +334,28 @@ def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
             fontsize=9,
             color="gray",
         )
+    loss_axis.set_xlabel("optimizer step (red: steps trained again after a restart)")
+    loss_axis.set_ylabel("training loss")
     batches = sorted({m["global_batch_size"] for m in metrics})
     loss_axis.set_title(f"raytrain demo: global batch {batches} at every step")
+
+    times = [m["time"] - line.t0 for m in metrics]
+    world_axis.step(times, [m["world_size"] for m in metrics], where="post", color="tab:orange")
+    for begin, end, kind in line.recoveries:
+        world_axis.axvspan(begin, end, color="tab:gray", alpha=0.2, lw=0)
+        world_axis.annotate(
+            f"{kind}: {end - begin:.0f} s",
+            (begin, 0.05),
+            xycoords=("data", "axes fraction"),
+            fontsize=8,
+            color="dimgray",
+        )
+    for when, world in line.unplanned:
+        world_axis.plot([when], [world], marker="x", color="tab:red", markersize=9)
+    world_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    world_axis.set_ylim(0, max([m["world_size"] for m in metrics] + [1]) + 1)
+    world_axis.set_xlabel("seconds since the first start (gray: event until training resumed; x: unplanned restart)")
+    world_axis.set_ylabel("workers")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -16,10 +16,11 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TextIO
 
 from raytrain.console import LOG_FILE
+from raytrain.trackers import Tracker, numeric
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
@@ -57,12 +58,23 @@ def _truncate_after(path: str, step: int) -> int:
 class Rank0Log:
     """Writes metrics and logs on rank 0; a no-op elsewhere. Not thread-safe; one per worker process."""
 
-    def __init__(self, rank: int, run_dir: str | None, *, audit: bool, log_every: int, out: TextIO = sys.stdout):
+    def __init__(
+        self,
+        rank: int,
+        run_dir: str | None,
+        *,
+        audit: bool,
+        log_every: int,
+        out: TextIO = sys.stdout,
+        trackers: Sequence[Tracker] = (),
+    ):
         self.active = rank == 0
         self.run_dir = run_dir
         self.audit = audit
         self.log_every = log_every
         self.out = out
+        self.trackers = list(trackers) if self.active else []  # experiment trackers, rank 0 only
+        self._tracking = False
         self._started = time.monotonic()
         self._files: dict[str, TextIO] = {}  # open for appending, one per file name, after `start` trimmed them
         self.total_steps: int | None = None  # for the progress bar, when known
@@ -104,6 +116,9 @@ class Rank0Log:
         if not self.active:
             return
         self.close()  # the files are rewritten below; appends reopen them
+        for tracker in self.trackers:
+            tracker.start(self.run_dir or ".", restored_step)
+        self._tracking = True
         for name in (METRICS_FILE, SAMPLES_FILE, EVENTS_FILE):
             path = self._path(name)
             if path and (torn := _truncate_after(path, restored_step if name != EVENTS_FILE else 2**62)):
@@ -123,6 +138,10 @@ class Rank0Log:
         if not self.active:
             return
         self._append(METRICS_FILE, metrics)
+        if self._tracking:
+            scalars = {k: v for k, v in numeric(metrics).items() if k not in ("step", "time")}
+            for tracker in self.trackers:
+                tracker.log(scalars, metrics["step"])
         if self.audit and sample_ids is not None:
             ids = [int(i) for i in sample_ids]
             self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": ids})
@@ -136,10 +155,15 @@ class Rank0Log:
             )
 
     def close(self) -> None:
-        """Close the files `_append` keeps open (the loop calls it when the worker's training ends)."""
+        """Close the files `_append` keeps open and finish the trackers (the loop calls it when the worker's
+        training ends)."""
         for f in self._files.values():
             f.close()
         self._files.clear()
+        if self._tracking:
+            for tracker in self.trackers:
+                tracker.finish()
+            self._tracking = False
 
     def finish(self, summary: dict[str, Any]) -> None:
         """Print the end-of-run summary."""

@@ -32,6 +32,7 @@ from raytrain.config import (
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
+from raytrain.trackers import check_trackers
 
 if TYPE_CHECKING:
     from raytrain.worker_loop import WorkerJob
@@ -147,6 +148,10 @@ class ElasticTrainer:
         lr_schedule_fn: optional `lr_schedule_fn(step, total_steps) -> factor`: the LR of optimizer step `step`
             (0-based) is factor x the peak LR (x each group's ratio). Replaces `LRConfig`'s warmup and schedule;
             like them it must depend on the step and the run's length only, never on the world size.
+        parallel: `ParallelConfig` (meta init, precision, gradient accumulation, activation checkpointing).
+        units_fn: optional `units_fn(model) -> [submodules]`: the FSDP units (default: each repeated block).
+        trackers: experiment trackers used on rank 0, e.g. `[raytrain.trackers.TensorBoard()]` (see
+            `raytrain.trackers` for the three methods a tracker of your own needs).
 
     Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
     the field, its value and the valid range.
@@ -168,6 +173,7 @@ class ElasticTrainer:
         required_columns: Sequence[str] = (),
         lr_schedule_fn: Callable[[int, int], float] | None = None,
         units_fn: Callable[[nn.Module], list[nn.Module]] | None = None,
+        trackers: Sequence[Any] = (),
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
@@ -201,6 +207,8 @@ class ElasticTrainer:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
         self.units_fn = units_fn
+        check_trackers(list(trackers))
+        self.trackers = tuple(trackers)
         self.meta_init = False  # decided by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
@@ -279,6 +287,7 @@ class ElasticTrainer:
             optimizer_fn=self.optimizer_fn,
             lr_schedule_fn=self.lr_schedule_fn,
             units_fn=self.units_fn,
+            trackers=self.trackers,
             meta_init=self.meta_init,
             **data,
         )

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from raytrain.batch_plan import BatchPlan
-from raytrain.checkpoint import TrainState, load_checkpoint, read_step, save_checkpoint
+from raytrain.checkpoint import TrainState, load_checkpoint, read_step, remove_uncommitted, save_checkpoint
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
@@ -54,6 +54,7 @@ class WorkerJob:
     optimizer_fn: OptimizerFactory
     lr_schedule_fn: LRScheduleFn | None = None
     units_fn: UnitsFn | None = None
+    trackers: tuple[Any, ...] = ()  # experiment trackers (`raytrain.trackers`), used on rank 0
     meta_init: bool = False  # decided on the driver (`raytrain.model_init.check_init`)
     data: IndexedData | None = None  # deterministic mode
     val_data: IndexedData | None = None
@@ -262,7 +263,9 @@ def start_run(job: WorkerJob) -> Run:
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
     device = _device(spec.cluster.use_gpu, context.get_local_rank())
-    log = Rank0Log(rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every)
+    log = Rank0Log(
+        rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every, trackers=job.trackers
+    )
     plan = spec.batch.plan(world)
     global_batch = spec.batch.global_batch
 
@@ -300,6 +303,9 @@ def start_run(job: WorkerJob) -> Run:
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
     state, consumed, restored = _restore(model, optimizer)
+    if rank == 0 and job.run_dir and restored:  # only beside a committed checkpoint: nothing else is touched
+        for path in remove_uncommitted(job.run_dir, state.step):
+            log.print(f"removed {os.path.basename(path)}: written after step {state.step} but never committed")
     if scaler is not None and state.loss_scale:
         scaler.load_state_dict(state.loss_scale)
 
@@ -443,20 +449,27 @@ def _train(run: Run) -> None:
             continue
         metrics = run_step(run, step)
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
-        if checkpoint_now and run.val_columns is not None:
-            metrics["val_loss"] = evaluate(
-                run.model, run.job.loss_fn, run.val_columns, run.rank, run.world, run.plan.micro_batch_cap, run.device
-            )
+        if checkpoint_now:
+            _validate(run, metrics)
         run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
         if checkpoint_now:
             committed = _commit(run, metrics)
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
+        _validate(run, metrics)
         _commit(run, metrics)
     if metrics:
         run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:
         run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
     run.log.close()
+
+
+def _validate(run: Run, metrics: dict[str, Any]) -> None:
+    """Add `val_loss` to `metrics` when there is a validation set (collective)."""
+    if run.val_columns is not None:
+        metrics["val_loss"] = evaluate(
+            run.model, run.job.loss_fn, run.val_columns, run.rank, run.world, run.plan.micro_batch_cap, run.device
+        )
 
 
 def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +75,83 @@ def ids_by_epoch(samples_path: str | Path) -> dict[int, list[int]]:
     for record in read_jsonl(samples_path):
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
     return by_epoch
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (on 127.0.0.1)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(what: str, condition: Any, timeout_s: float, interval_s: float = 1.0) -> Any:
+    """Poll `condition()` until it returns something true; fail naming `what` after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
+
+
+@contextlib.contextmanager
+def ray_head(*, dashboard: bool = False, num_cpus: int = 4) -> Iterator[dict[str, Any]]:
+    """A Ray head of its own (`ray start --head --block` in a subprocess, dashboard on 127.0.0.1 only), stopped
+    by ending that subprocess's process group (never `ray stop`, which would stop every Ray instance here).
+    Yields {"address": "127.0.0.1:<gcs port>", "dashboard": "http://127.0.0.1:<port>" or None, "env": ...}."""
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    gcs_port, dashboard_port = free_port(), free_port()
+    command = ["ray", "start", "--head", "--block", f"--port={gcs_port}", f"--num-cpus={num_cpus}"]
+    command += ["--disable-usage-stats", f"--include-dashboard={'true' if dashboard else 'false'}"]
+    if dashboard:
+        command += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+    head = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{dashboard_port}" if dashboard else None
+    try:
+        if url:
+
+            def dashboard_up() -> bool:
+                try:
+                    with urllib.request.urlopen(f"{url}/api/version", timeout=2) as response:
+                        return response.status == 200
+                except OSError:
+                    return False
+
+            wait_for(f"the dashboard at {url}", dashboard_up, 90)
+        else:
+
+            def gcs_up() -> bool:
+                try:
+                    socket_probe(gcs_port)
+                    return True
+                except OSError:
+                    return False
+
+            wait_for(f"the GCS at 127.0.0.1:{gcs_port}", gcs_up, 90)
+        yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": url, "env": env}
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+
+
+def socket_probe(port: int) -> None:
+    """Raise OSError unless something accepts a TCP connection on 127.0.0.1:`port`."""
+    import socket
+
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()

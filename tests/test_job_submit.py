@@ -1,79 +1,28 @@
 """`ray job submit ... -- raytrain fit examples/fit_mlp.toml` against a local `ray start --head` cluster.
 
-The test starts the head itself (`ray start --head --block` in a subprocess, dashboard on 127.0.0.1 only), submits,
-waits for SUCCEEDED, checks the run directory, and stops the cluster it started by ending that subprocess (never
-`ray stop`, which would stop every Ray instance on the machine). Every wait is bounded.
+The test starts the head itself (`ray_helpers.ray_head`: its own `ray start --head --block`, dashboard on
+127.0.0.1 only, stopped without `ray stop`), submits, waits for SUCCEEDED and checks the run directory. Every
+wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from ray_helpers import ray_head, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(what: str, condition, timeout_s: float, interval_s: float = 1.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"waited {timeout_s:.0f} s for {what}")
-
-
 def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
-    gcs_port, dashboard_port = free_port(), free_port()
-    dashboard = f"http://127.0.0.1:{dashboard_port}"
-    head = subprocess.Popen(
-        [
-            "ray",
-            "start",
-            "--head",
-            "--block",
-            f"--port={gcs_port}",
-            "--num-cpus=4",
-            "--include-dashboard=true",
-            "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard_port}",
-            "--disable-usage-stats",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-
-        def dashboard_up() -> bool:
-            try:
-                with urllib.request.urlopen(f"{dashboard}/api/version", timeout=2) as response:
-                    return response.status == 200
-            except OSError:
-                return False
-
-        wait_for(f"the dashboard at {dashboard}", dashboard_up, 90)
+    with ray_head(dashboard=True) as head:
+        env, dashboard = head["env"], head["dashboard"]
         runs = tmp_path / "runs"
         attempts: list[str] = []
 
@@ -142,9 +91,3 @@ def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
         assert {m["global_batch_size"] for m in lines} == {64}
         assert {m["world_size"] for m in lines} == {2}
         assert "run_dir" in logs and "final_loss" in logs  # the end-of-run summary reached the job's logs
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)

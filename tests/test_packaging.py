@@ -16,9 +16,12 @@ MODULE_OF = {"ray[train,default]": "ray"}
 
 
 def _declared_modules() -> set[str]:
+    """Top-level modules of the dependencies and of the optional extras (imported only where guarded), not of
+    the test extra."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = [r for name, group in project["optional-dependencies"].items() if name != "test" for r in group]
     names = set()
-    for requirement in project["dependencies"]:
+    for requirement in [*project["dependencies"], *extras]:
         name = re.split(r"[<>=!~;\s]", requirement, maxsplit=1)[0]
         names.add(MODULE_OF.get(name, name.split("[")[0]).replace("-", "_"))
     return names

@@ -86,3 +86,18 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
     assert metrics_steps == sample_steps == [1, 2, 3]
     starts = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [s["previous_world_size"] for s in starts] == [None, 2]
+
+
+def test_timeline_shades_retrained_steps_recoveries_and_marks_unplanned_restarts() -> None:
+    from raytrain.demo import AppliedEvent, timeline
+
+    starts = [
+        {"time": 100.0, "world_size": 3, "step": 0},
+        {"time": 150.0, "world_size": 2, "step": 10},  # caused by the removal at t=110
+        {"time": 200.0, "world_size": 2, "step": 30},  # nothing applied explains this one: a crash
+    ]
+    removal = AppliedEvent("remove", 15, 15, 110.0, "removed node", 155.0, 2, 10, 17)
+    line = timeline(starts, [removal])
+    assert line.retrained == [(11, 17)]  # steps 11..17 were trained, rolled back, and trained again
+    assert line.recoveries == [(10.0, 55.0, "remove")]
+    assert line.unplanned == [(100.0, 2)]

@@ -3,15 +3,21 @@ the optimizer users reach for first (AdamW with parameter groups, zero1, a cosin
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
+import ray.cloudpickle
 from ray_helpers import ids_by_epoch, make_trainer, read_jsonl
 
 from raytrain.config import LRConfig
 from raytrain.errors import ConfigError
 from raytrain.lr_rules import lr_factor
 from raytrain.toy import adamw_groups, inverse_sqrt_schedule
+from raytrain.trackers import TensorBoard
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name
 
 pytestmark = pytest.mark.ray
 
@@ -110,3 +116,42 @@ def test_a_broken_lr_schedule_fails_on_the_driver(ray_local: None, tmp_path: Pat
     with pytest.raises(ConfigError, match=r"lr_schedule_fn .*\(0, 5\) must return a finite number >= 0.*got -1.0"):
         trainer.fit()
     assert not (tmp_path / "badhook").exists()
+
+
+class JsonTracker:
+    """A tracker of one's own (what an MLflow or W&B adapter looks like): three methods, rank 0 only."""
+
+    def start(self, run_dir: str, restored_step: int) -> None:
+        self.path = Path(run_dir) / "tracked.jsonl"
+        records = [json.loads(line) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+        kept = [r for r in records if r["step"] <= restored_step]  # steps after the checkpoint are trained again
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def finish(self) -> None:
+        pass
+
+
+def test_trackers_see_every_step_once_across_a_resume(ray_local: None, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = [TensorBoard(), JsonTracker()]
+    make_trainer(tmp_path, "tb", workers=2, steps=4, every=2, trackers=trackers).fit()
+    result = make_trainer(tmp_path, "tb", workers=2, steps=6, every=2, trackers=trackers).fit()
+    metrics = read_jsonl(result.metrics_path)
+    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("loss")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    assert [losses[m["step"]] for m in metrics] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
+    assert {"lr", "world_size", "global_batch_size", "step_time_s"} <= set(events.Tags()["scalars"])
+    tracked = read_jsonl(tmp_path / "tb" / "tracked.jsonl")
+    assert [r["step"] for r in tracked] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_tracker_without_its_methods_is_rejected_on_the_driver(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="trackers must have start"):
+        make_trainer(tmp_path, "bad", workers=1, trackers=[object()])
