@@ -33,7 +33,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Print `message` as one line and exit with code 2."""
-        self.exit(EXIT_USAGE, f"raytrain: error: {self.prog.removeprefix('raytrain ')}: {message} (see --help)\n")
+        where = self.prog.removeprefix("raytrain").strip()
+        self.exit(EXIT_USAGE, f"raytrain: error: {where + ': ' if where else ''}{message} (see --help)\n")
 
 
 def _count(text: str) -> int:

@@ -48,7 +48,12 @@ def demo(tmp: Path, name: str, *args: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired as err:
         raise AssertionError(f"waited {RUN_TIMEOUT_S} s for `raytrain demo {' '.join(args)}` to finish") from err
     assert done.returncode == 0, f"demo {args} failed:\n{done.stderr[-4000:]}"
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    stdout = done.stdout.strip().splitlines()
+    assert len(stdout) == 1, f"--json prints one JSON object on stdout, got {len(stdout)} lines"
+    # Quiet by default: every line on stderr is raytrain's own or a one-line summary of a Ray error.
+    noise = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("[raytrain", "[ray]"))]
+    assert not noise, "lines that are neither raytrain's nor a Ray error summary:\n" + "\n".join(noise[:20])
+    return {**json.loads(stdout[0]), "stderr": done.stderr}
 
 
 def losses(summary: dict[str, Any]) -> list[float]:
@@ -108,6 +113,10 @@ def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed
     assert_same_curve(summary, fixed_size_losses)
     removed, added = summary["events"]
     assert removed["recovered_world_size"] == 2 and added["recovered_world_size"] == 3
+    lines = summary["stderr"].splitlines()
+    assert any(line.startswith("[raytrain] worker group failed (") for line in lines)  # recovery, summarised
+    assert any(line.startswith("[raytrain] cluster changed: restarting the worker group at 3") for line in lines)
+    assert len(lines) <= 80, f"{len(lines)} lines for a 160-step run with two events"
     assert removed["steps_lost"] <= 5 and added["steps_lost"] <= 5  # never more than one checkpoint interval
 
 
