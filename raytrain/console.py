@@ -41,6 +41,13 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
 
 
+def quiet_ray_logging() -> None:
+    """Ray's driver-side loggers at WARNING (unless `verbose()`); call before starting or joining Ray."""
+    if not verbose():
+        for name in ("ray", "ray.data", "ray.train"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def init_ray(**kwargs: Any) -> None:
     """`ray.init(**kwargs)`, quiet unless `verbose()`: no worker/actor/raylet output forwarded to the driver, Ray's
     driver loggers at WARNING, no Ray Data progress bars. `is_quiet()` says which happened."""
@@ -50,8 +57,7 @@ def init_ray(**kwargs: Any) -> None:
     if quiet:
         kwargs.setdefault("log_to_driver", False)
         kwargs.setdefault("logging_level", logging.WARNING)
-        for name in ("ray", "ray.data", "ray.train"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_ray_logging()
     ray.init(**kwargs)
     if quiet:
         from ray.data import DataContext

@@ -367,7 +367,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     import ray
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-    from raytrain.console import init_ray
+    from raytrain.console import init_ray, quiet_ray_logging
     from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
     from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, check_ray_address, check_storage_writable
 
@@ -377,6 +377,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     for note in options.warnings(embedded=not external):
         print(f"[raytrain demo] warning: {note}", file=output(), flush=True)
     check_ray_address()  # seconds, not minutes, for an address nobody answers at
+    quiet_ray_logging()  # before the fake-node cluster starts
     check_storage_writable(os.path.join(os.path.abspath(options.storage), run_name))
     apply_ray_env_defaults()
     cluster: FakeCluster | None = None
