@@ -31,6 +31,7 @@ def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_pat
     assert "world 3: accumulation 2, samples/rank [22,21,21]" in result.stdout
     assert "zero3" in result.stdout and "strategy: ddp" in result.stdout
     assert "(sqrt rule, warmup 5, cosine schedule)" in result.stdout
+    assert "gpu_memory_bytes" not in result.stdout  # suggests nothing that is neither a flag nor a TOML key
     assert not (tmp_path / "runs").exists()
 
 

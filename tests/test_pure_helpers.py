@@ -101,3 +101,28 @@ def test_timeline_shades_retrained_steps_recoveries_and_marks_unplanned_restarts
     assert line.retrained == [(11, 17)]  # steps 11..17 were trained, rolled back, and trained again
     assert line.recoveries == [(10.0, 55.0, "remove")]
     assert line.unplanned == [(100.0, 2)]
+
+
+def test_demo_warns_about_settings_that_cannot_take_effect() -> None:
+    from raytrain.demo import DemoOptions
+
+    options = DemoOptions(nodes=3, min_workers=1, max_workers=5, steps=240, events="remove@20,add@500")
+    notes = options.warnings(embedded=True)
+    assert any("--workers allows 5 workers but the demo cluster has 3 fake nodes" in n for n in notes)
+    assert any("event add@500 is after the last step (240): it will not happen" in n for n in notes)
+    assert DemoOptions().warnings(embedded=True) == []
+
+
+def test_fit_summary_counts_this_invocations_restarts_and_agrees_on_the_epoch(tmp_path: Path) -> None:
+    from raytrain.cli import fit_summary
+    from raytrain.trainer import FitResult
+
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "epoch": (s - 1) // 4, "loss": 0.5}) + "\n" for s in range(1, 9))
+    )
+    starts = [{"time": 10.0, "world_size": 2, "step": 0}, {"time": 20.0, "world_size": 2, "step": 8}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(s) + "\n" for s in starts))
+    result = FitResult(None, None, str(tmp_path), str(tmp_path / "metrics.jsonl"), None, str(tmp_path / "events.jsonl"))
+    summary = fit_summary(result, since=15.0)  # a plain rerun of a finished run: one start since, no restart
+    assert summary["restarts"] == 0 and summary["world_sizes"] == [2] and summary["resumed_from_step"] == 8
+    assert summary["last_epoch"] == 1 and summary["steps"] == 8
