@@ -213,7 +213,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args["warmup"]):
-        loss, _ = train_step(model, optimizer, loss_fn, batches(), world, world * k * mb)
+        loss = train_step(model, optimizer, loss_fn, batches(), world, world * k * mb).loss_sum
     data = [batches() for _ in range(args["steps"])]
     if cuda:
         torch.cuda.synchronize(device)
@@ -221,7 +221,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     COUNTER.calls.clear()
     started = time.perf_counter()
     for step_batches in data:
-        loss, _ = train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb)
+        loss = train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb).loss_sum
     if cuda:
         torch.cuda.synchronize(device)
     dist.barrier()
@@ -238,7 +238,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
         "reduce_scatter_per_step": COUNTER.calls.get("reduce_scatter", 0) / args["steps"],
         "all_gather_per_step": COUNTER.calls.get("all_gather", 0) / args["steps"],
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else float("nan"),
-        "last_loss": loss / (k * mb),
+        "last_loss": loss / (world * k * mb),  # train_step's loss sum is global
     }
     del model, optimizer, data
     if cuda:

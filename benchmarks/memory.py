@@ -125,10 +125,10 @@ def run_config(config: dict[str, Any], rank: int, full_init: bool = False) -> di
         optimizer = build_optimizer(model, adamw, 1e-3, strategy)
         policy = step_policy(strategy, world, "fp32", config["mode"])
         for step in range(STEPS):
-            loss, _ = train_step(
+            result = train_step(
                 model, optimizer, loss_fn, batches(rank, world, k, step), world, world * k * MICRO_BATCH, None, policy
             )
-            losses.append(loss)
+            losses.append(result.loss_sum)  # summed over every rank's samples
         tracker.mark("steps")
     del model, optimizer
     return {"init_peak": tracker.marks["init"][1], "peak": tracker.peak, "losses": losses}
@@ -162,8 +162,7 @@ def single_process_losses(k: int, world: int) -> list[float]:
     for step in range(STEPS):
         parts = [b for rank in range(world) for b in batches(rank, world, k, step)]
         batch = {key: torch.cat([b[key] for b in parts]) for key in parts[0]}
-        loss, _ = train_step(model, optimizer, loss_fn, [batch], 1, world * k * MICRO_BATCH)
-        losses.append(loss)
+        losses.append(train_step(model, optimizer, loss_fn, [batch], 1, world * k * MICRO_BATCH).loss_sum)
     return losses
 
 
@@ -290,7 +289,7 @@ def main() -> None:
     runs = [
         next(r for r in rank if (r["strategy"], r["k"], r["mode"]) == ("zero3", 4, "sharded")) for rank in measured[top]
     ]
-    totals = [sum(run["losses"][step] for run in runs) for step in range(STEPS)]  # every rank's summed losses
+    totals = runs[0]["losses"]  # the global sum, the same on every rank
     loss_ok = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(totals, reference, strict=True))
     print(
         f"loss sums per step, zero3 W={top} k=4: {totals}; one process: {reference}: "

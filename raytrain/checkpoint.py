@@ -49,6 +49,7 @@ class TrainState:
     epoch: int = 0
     sample_in_epoch: int = 0
     samples_seen: int = 0
+    skipped_steps: int = 0  # steps whose update was dropped for a NaN or Inf (on_nonfinite="skip")
     world_size: int = 0
     global_batch: int = 0
     base_batch: int = 0

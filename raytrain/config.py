@@ -137,6 +137,10 @@ class LoopConfig:
             (this materializes the dataset once on the driver).
         max_grad_norm: clip the gradient of each step's whole global batch to this 2-norm (> 0), as one process
             on one big batch would; None (default) does not clip. The norm is reported as `grad_norm`.
+        on_nonfinite: what a step whose loss or gradient is NaN or Inf does (detected on every rank alike, before
+            the optimizer step, so the model is untouched): "stop" (default) ends the run naming the step, the last
+            good checkpoint stays the latest; "skip" drops the step's update and goes on (counted as
+            `skipped_steps` in the metrics; its samples count as seen).
         audit_samples: rank 0 writes the ids of every committed step to `<run>/samples.jsonl`.
         shuffle_buffer: local shuffle buffer (rows) per worker in streaming mode.
         log_every: progress line on rank 0 every this many steps (>= 1).
@@ -149,6 +153,7 @@ class LoopConfig:
     deterministic: bool = True
     id_column: str | None = None
     max_grad_norm: float | None = None
+    on_nonfinite: str = "stop"
     audit_samples: bool = False
     shuffle_buffer: int = 1024
     log_every: int = 10
@@ -165,6 +170,7 @@ class LoopConfig:
             or not 0 < self.max_grad_norm < float("inf")
         ):
             raise ConfigError(f"max_grad_norm must be a finite number > 0 or None, got {self.max_grad_norm!r}")
+        _one_of("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _int_at_least("shuffle_buffer", self.shuffle_buffer, 1)
         _int_at_least("log_every", self.log_every, 1)
 

@@ -9,3 +9,8 @@ class UserCodeError(RuntimeError):
     """The user's code (model, loss, optimizer, schedule) raised the same exception at the same step in two worker
     group attempts: a bug, not a node or worker failure, so raytrain stops instead of retrying. The message names
     the exception, the step and the rank."""
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient was NaN or Inf (`LoopConfig(on_nonfinite="stop")`): the run stops at once, before
+    the update; the latest checkpoint is the last good state."""

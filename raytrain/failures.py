@@ -14,13 +14,17 @@ from dataclasses import dataclass
 
 STEP_ATTRIBUTE = "raytrain_step"
 WHERE_ATTRIBUTE = "raytrain_where"
+FATAL_ATTRIBUTE = "raytrain_fatal"
 
 
 def mark(error: BaseException, step: int, where: str) -> None:
     """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from) and the
     phase ("start" or "step") in which it escaped the worker loop. Travels with the exception when Ray pickles it."""
+    from raytrain.errors import NonFiniteError
+
     setattr(error, STEP_ATTRIBUTE, step)
     setattr(error, WHERE_ATTRIBUTE, where)
+    setattr(error, FATAL_ATTRIBUTE, isinstance(error, NonFiniteError))  # deterministic: not worth even one retry
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class Signature:
     message: str
     step: int
     where: str
+    fatal: bool = False  # stop at the first occurrence (a NaN or Inf), do not wait for a repeat
 
     def describe(self, rank: int) -> str:
         """One line for the user: where and what."""
@@ -45,5 +50,9 @@ def signature(error: BaseException) -> Signature | None:
         return None
     lines = str(error).strip().splitlines()
     return Signature(
-        type(error).__name__, lines[0] if lines else "", int(step), getattr(error, WHERE_ATTRIBUTE, "step")
+        type(error).__name__,
+        lines[0] if lines else "",
+        int(step),
+        getattr(error, WHERE_ATTRIBUTE, "step"),
+        bool(getattr(error, FATAL_ATTRIBUTE, False)),
     )

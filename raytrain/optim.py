@@ -115,20 +115,27 @@ def set_lr(optimizer: torch.optim.Optimizer, ratios: list[float], lr: float) -> 
         group["lr"] = ratio * lr
 
 
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Scale the gradients so that their global 2-norm is at most `max_norm`; return the norm before clipping.
+def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the whole global batch's gradient, the same on every rank (a collective for FSDP2).
 
-    Call after the synchronising micro-step, on every rank (a collective for FSDP2). DDP and zero1 hold the full,
-    identical gradient on every rank; FSDP2 holds DTensor shards, whose norm is reduced over the ranks first, so
-    every rank clips with the norm of the whole global batch's gradient, as one process on one big batch would.
+    Call after the synchronising micro-step. DDP and zero1 hold the full, identical gradient on every rank; FSDP2
+    holds DTensor shards, whose norm is reduced over the ranks first.
     """
     from torch.distributed.tensor import DTensor
 
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    return total.full_tensor() if isinstance(total, DTensor) else total
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor | None = None) -> float:
+    """Scale the gradients so that their global 2-norm is at most `max_norm`, as one process on one big batch
+    would; return the norm before clipping. `norm` is `global_grad_norm(parameters)` when already computed."""
     params = [p for p in parameters if p.grad is not None]
     if not params:
         return 0.0
-    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    total = global_grad_norm(params) if norm is None else norm
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return float(total)

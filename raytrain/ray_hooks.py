@@ -42,6 +42,8 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
             found = signature(error)
             if found is None:
                 continue
+            if found.fatal:
+                raise ControllerError(UserCodeError(f"{found.kind}: {found.message}"))
             first = self._first_seen.setdefault(found, self._attempt)
             if first != self._attempt:
                 raise ControllerError(

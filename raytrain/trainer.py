@@ -124,6 +124,14 @@ def connect_ray(local_cpus: int = 1) -> None:
         init_ray(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), dashboard_host="127.0.0.1")
 
 
+def worker_env() -> dict[str, str]:
+    """The environment variables every training worker gets: Ray Train's settings (`RAY_ENV_DEFAULTS`) and, when
+    set on the driver, raytrain's own (fault injection for tests, verbosity)."""
+    env = {key: os.environ[key] for key in RAY_ENV_DEFAULTS}
+    env.update({key: os.environ[key] for key in ("RAYTRAIN_FAULTS", "RAYTRAIN_VERBOSE") if key in os.environ})
+    return env
+
+
 def apply_ray_env_defaults() -> None:
     """Set `RAY_ENV_DEFAULTS` in this process (before Ray starts) unless already set."""
     for key, value in RAY_ENV_DEFAULTS.items():
@@ -350,7 +358,7 @@ class ElasticTrainer:
                 storage_path=os.path.abspath(spec.checkpoint.storage_path),
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
-                worker_runtime_env={"env_vars": {k: os.environ[k] for k in RAY_ENV_DEFAULTS}},
+                worker_runtime_env={"env_vars": worker_env()},
                 callbacks=[StopRepeatedUserErrors(), RunLog(run_dir)],  # type: ignore[list-item]  # V2; V1 stubs
             ),
         )

@@ -18,14 +18,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from raytrain import faults
 from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import TrainState, load_checkpoint, read_step, remove_uncommitted, save_checkpoint
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.errors import NonFiniteError
 from raytrain.failures import mark
+from raytrain.faults import fault_point
 from raytrain.lr_rules import describe_lr_on_resume
-from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, lr_ratios, set_lr
+from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
 from raytrain.parallelize import (
     SYNC_LAST_MICRO_STEP,
     StepPolicy,
@@ -75,6 +78,16 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device | None = Non
         torch.cuda.manual_seed(value)
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step produced, the same on every rank: the global summed per-sample loss, the global
+    gradient norm before clipping, and whether the optimizer stepped (False: a NaN or Inf was found)."""
+
+    loss_sum: float
+    grad_norm: float
+    stepped: bool
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -85,39 +98,49 @@ def train_step(
     max_grad_norm: float | None = None,
     policy: StepPolicy = SYNC_LAST_MICRO_STEP,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[float, float | None]:
-    """One optimizer step over this rank's micro-batches; returns (the rank's summed per-sample loss, the global
-    gradient norm before clipping, or None without `max_grad_norm`).
+) -> StepResult:
+    """One optimizer step over this rank's micro-batches (collective: every rank calls it).
 
     Each backward() adds to the gradients, so normalise by the step's global sample count here: the summed
     per-sample loss times W / B, because DDP/FSDP then average over W. Gradients sync as `policy` says (by
-    default on the last micro-step only); clipping runs after the last, on the gradient of the whole global
-    batch. With `scaler` (fp16) the loss is scaled, the gradients unscaled before clipping, and a step with
-    non-finite gradients skipped on every rank alike (their gradients are whole and identical).
+    default on the last micro-step only). Then, on the gradient of the whole global batch: its norm, which with
+    the all-reduced loss decides whether the step is finite (identically on every rank), clipping, and the
+    optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With `scaler` (fp16) the loss is
+    scaled and the gradients unscaled first; overflowing gradients are then the scaler's to skip.
     """
     optimizer.zero_grad(set_to_none=True)
     scale = world_size / step_total
     local_sum = 0.0
     for j, batch in enumerate(micro_batches):
         with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
+            fault_point("forward")
             losses = loss_fn(model, batch)
             rows = len(next(iter(batch.values())))
             if losses.dim() != 1 or losses.shape[0] != rows:
                 raise ValueError(
                     f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
                 )
+            fault_point("backward")
             loss = losses.float().sum() * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         local_sum += float(losses.detach().float().sum())
+    fault_point("optimizer")
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm) if max_grad_norm is not None else None
+    loss_sum = all_reduce_sum(local_sum)
+    norm = global_grad_norm(model.parameters())
+    finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
+    if not finite:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum, float(norm), stepped=False)
+    if max_grad_norm is not None:
+        clip_grad_norm_(model.parameters(), max_grad_norm, norm)
     if scaler is not None:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
-    return local_sum, grad_norm
+    return StepResult(loss_sum, float(norm), stepped=True)
 
 
 @torch.no_grad()
@@ -268,6 +291,7 @@ def start_run(job: WorkerJob) -> Run:
     )
     plan = spec.batch.plan(world)
     global_batch = spec.batch.global_batch
+    faults.arm(job.run_dir, rank, world)
 
     model = build_model(job)
     parallel = spec.parallel
@@ -365,10 +389,11 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
     state, spec = run.state, run.spec
     lr = run.lr_at(state.step)
     set_lr(run.optimizer, run.lr_ratios, lr)
+    faults.at_step(state.step + 1)
     seed_step(spec.loop.seed, state.step, run.rank, run.device)  # restart-proof random ops
     started = time.perf_counter()
     total = step.plan.global_batch
-    local_loss, grad_norm = train_step(
+    result = train_step(
         run.model,
         run.optimizer,
         run.job.loss_fn,
@@ -379,7 +404,14 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
         run.policy,
         run.scaler,
     )
-    loss_sum = all_reduce_sum(local_loss)
+    if not result.stepped:
+        if spec.loop.on_nonfinite == "stop":
+            raise NonFiniteError(
+                f"step {state.step + 1}: the loss ({result.loss_sum / total:.4g}) or the gradient norm "
+                f"({result.grad_norm:.4g}) is not finite; stopped before the update, the last checkpoint is the "
+                "last good state (LoopConfig(on_nonfinite='skip') skips such steps instead)"
+            )
+        state.skipped_steps += 1
     state.step, state.sample_in_epoch, state.samples_seen = (
         state.step + 1,
         state.sample_in_epoch + total,
@@ -394,12 +426,13 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
         "global_batch_size": total,
         "samples_seen": state.samples_seen,
         "lr": lr,
-        "loss": loss_sum / total,
+        "loss": result.loss_sum / total,
+        "grad_norm": result.grad_norm,
         "step_time_s": time.perf_counter() - started,
         "time": time.time(),
     }
-    if grad_norm is not None:
-        metrics["grad_norm"] = grad_norm
+    if state.skipped_steps:
+        metrics["skipped_steps"] = state.skipped_steps
     return metrics
 
 
@@ -418,7 +451,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     try:
         _train(run)
     except Exception as err:
-        mark(err, run.state.step, "step")
+        mark(err, run.state.step + 1, "step")  # the step being trained, 1-based as in metrics.jsonl
         raise
 
 
@@ -480,6 +513,7 @@ def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> N
     ray.train.report(
         metrics, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
     )
+    fault_point("report")
     if wait_for_commit:
         # Without this, a restart right after a report often restores the previous checkpoint.
         ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
@@ -497,5 +531,6 @@ def _commit(run: Run, metrics: dict[str, Any]) -> int:
     state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     directory = save_checkpoint(run.model, run.optimizer, state, run.rank, run.source.consumed_ids())
+    fault_point("checkpoint")
     _report(metrics, directory, spec.checkpoint.wait_for_commit)
     return state.step

@@ -103,3 +103,36 @@ def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path) -> None:
     assert len(errors) == 1 and "loss_fn loss must return one loss per sample" in errors[0], completed.stderr[-2000:]
     assert "Traceback" not in completed.stderr
     assert not (tmp_path / "runs" / "run" / "events.jsonl").exists()
+
+
+def nan_on_sample_42(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A numerical fault: the loss of sample 42 is NaN (the others are fine)."""
+    losses = squared_error(model, batch)
+    return torch.where(batch["id"] == 42, torch.full_like(losses, float("nan")), losses)
+
+
+@pytest.mark.ray
+def test_a_nan_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "nan", workers=2, loss_fn=nan_on_sample_42, max_failures=10, every=1, epochs=1)
+    with pytest.raises(UserCodeError, match=r"NonFiniteError: step (\d+): the loss \(nan\)") as caught:
+        trainer.fit()
+    bad_step = int(str(caught.value).split("step ")[1].split(":")[0])
+    starts = read_jsonl(tmp_path / "nan" / "events.jsonl")
+    assert len(starts) == 1, "a NaN is not retried"
+    steps = [m["step"] for m in read_jsonl(tmp_path / "nan" / "metrics.jsonl")]
+    assert steps == list(range(1, bad_step))  # nothing of the bad step was recorded or committed
+    from raytrain.checkpoint import checkpoint_dirs
+
+    assert max(step for step, _ in checkpoint_dirs(str(tmp_path / "nan"))) == bad_step - 1
+
+
+@pytest.mark.ray
+def test_skip_drops_the_nan_steps_update_and_counts_it(ray_local: None, tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    trainer = make_trainer(tmp_path, "skip", workers=2, loss_fn=nan_on_sample_42, epochs=1)
+    trainer.spec = replace(trainer.spec, loop=replace(trainer.spec.loop, on_nonfinite="skip"))
+    metrics = read_jsonl(trainer.fit().metrics_path)
+    skipped = [m for m in metrics if m["loss"] != m["loss"]]  # NaN
+    assert len(skipped) == 1 and metrics[-1]["skipped_steps"] == 1
+    assert all(m["loss"] == m["loss"] for m in metrics if m["step"] > skipped[0]["step"])  # the model stayed finite
