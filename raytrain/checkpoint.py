@@ -6,9 +6,12 @@ Layout of one checkpoint directory (Ray merges the per-rank directories into it)
     optimizer_zero1.pt             zero1 only: the optimizer state consolidated on rank 0 (torch.save)
     raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR
     consumed_ids.npy               rank 0, streaming mode: sorted ids consumed so far in the current epoch
+    manifest.json                  rank 0, last: every file above (every rank's) and its size
 
 Saving is a collective: every rank must call `save_checkpoint` (DCP plans the write together; zero1 consolidates
-the optimizer on rank 0). Loading uses `weights_only=True` for the one torch file.
+the optimizer on rank 0; the file sizes are gathered for the manifest). Nothing is loaded with arbitrary
+unpickling: DCP through `raytrain.checkpoint_files.SafeReader` / `SafeLoadPlanner`, the torch file with
+`weights_only=True`, the ids with `allow_pickle=False`, the state as JSON.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-STATE_FILE = "raytrain_state.json"
+from raytrain.checkpoint_files import STATE_FILE, SafeLoadPlanner, SafeReader, file_sizes, write_manifest
+from raytrain.collectives import all_gather_objects
+
 CONSUMED_IDS_FILE = "consumed_ids.npy"
 ZERO1_OPTIMIZER_FILE = "optimizer_zero1.pt"
 
@@ -48,6 +53,7 @@ class TrainState:
     step: int = 0
     epoch: int = 0
     sample_in_epoch: int = 0
+    format_version: int = 2  # 2: the checkpoint has a manifest.json (raytrain 0.1 wrote none and no version)
     samples_seen: int = 0
     skipped_steps: int = 0  # steps whose update was dropped for a NaN or Inf (on_nonfinite="skip")
     world_size: int = 0
@@ -97,6 +103,9 @@ def save_checkpoint(
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
         np.save(os.path.join(directory, CONSUMED_IDS_FILE), consumed_ids.astype(np.int64))
+    every_rank = all_gather_objects(file_sizes(directory))
+    if rank == 0:
+        write_manifest(directory, {name: size for files in every_rank for name, size in files.items()})
     return directory
 
 
@@ -114,7 +123,7 @@ def load_checkpoint(
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
     if not os.path.exists(zero1_file):
         sharded["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(sharded, checkpoint_id=directory)
+    dcp.load(sharded, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
     set_model_state_dict(model, sharded["model"])
     if "optim" in sharded and not zero1:
         set_optimizer_state_dict(model, optimizer, sharded["optim"])
@@ -129,37 +138,3 @@ def load_checkpoint(
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
     return state, np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False)
-
-
-def read_step(directory: str) -> int:
-    """The step a checkpoint directory was written at (its train state only; nothing is loaded)."""
-    with open(os.path.join(directory, STATE_FILE)) as f:
-        return int(json.load(f).get("step", 0))
-
-
-def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint directory in `run_dir` whose train state can be read, oldest step first.
-    A directory without one (a save cut short) is left out."""
-    found: list[tuple[int, str]] = []
-    if not os.path.isdir(run_dir):
-        return found
-    for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if name.startswith("checkpoint_") and os.path.isdir(path):
-            try:
-                found.append((read_step(path), path))
-            except (OSError, ValueError):
-                continue
-    return sorted(found)
-
-
-def remove_uncommitted(run_dir: str, restored_step: int) -> list[str]:
-    """Delete the checkpoint directories of steps after `restored_step`: written by a worker group that failed
-    before Ray committed them (the restart resumed from an earlier one), so Ray's `num_to_keep` never counts or
-    deletes them. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
-    import shutil
-
-    removed = [path for step, path in checkpoint_dirs(run_dir) if step > restored_step]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed

@@ -289,10 +289,11 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 def _run_fit(args: argparse.Namespace) -> int:
     from raytrain.fit_config import describe_plan, parse_fit_config
-    from raytrain.trainer import ElasticTrainer, check_ray_address, check_storage
+    from raytrain.trainer import ElasticTrainer, check_ray_address, check_resumable, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))
     args.run_dir = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
+    check_resumable(args.run_dir)
     if args.dry_run:
         print(describe_plan(job))
         return 0
@@ -355,7 +356,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     """Where the last committed checkpoint is and the command that resumes from it (one line)."""
     import shlex
 
-    from raytrain.checkpoint import checkpoint_dirs
+    from raytrain.checkpoint_files import checkpoint_dirs
 
     run_dir = getattr(args, "run_dir", None)
     found = checkpoint_dirs(run_dir) if run_dir else []

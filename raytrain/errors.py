@@ -14,3 +14,8 @@ class UserCodeError(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient was NaN or Inf (`LoopConfig(on_nonfinite="stop")`): the run stops at once, before
     the update; the latest checkpoint is the last good state."""
+
+
+class DamagedCheckpointsError(RuntimeError):
+    """Every checkpoint the run could resume from is damaged (a file missing or cut short): the run stops at once,
+    naming each and why, instead of loading a part or retrying."""

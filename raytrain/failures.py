@@ -20,11 +20,12 @@ FATAL_ATTRIBUTE = "raytrain_fatal"
 def mark(error: BaseException, step: int, where: str) -> None:
     """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from) and the
     phase ("start" or "step") in which it escaped the worker loop. Travels with the exception when Ray pickles it."""
-    from raytrain.errors import NonFiniteError
+    from raytrain.errors import DamagedCheckpointsError, NonFiniteError
 
     setattr(error, STEP_ATTRIBUTE, step)
     setattr(error, WHERE_ATTRIBUTE, where)
-    setattr(error, FATAL_ATTRIBUTE, isinstance(error, NonFiniteError))  # deterministic: not worth even one retry
+    # Deterministic, and not the code's to fix by a rerun: not worth even one retry.
+    setattr(error, FATAL_ATTRIBUTE, isinstance(error, NonFiniteError | DamagedCheckpointsError))
 
 
 @dataclass(frozen=True)

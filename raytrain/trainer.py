@@ -82,6 +82,20 @@ def check_storage(spec: TrainSpec) -> str:
     return run_dir
 
 
+def check_resumable(run_dir: str) -> None:
+    """`ConfigError` before anything starts when the run directory holds checkpoints and none is intact (every one
+    has a file missing or cut short): resuming would be impossible, starting over would hide the data loss."""
+    from raytrain.checkpoint_files import checkpoint_dirs, verify
+
+    found = checkpoint_dirs(run_dir)
+    reasons = [(path, verify(path)) for _, path in found]
+    if found and all(reason for _, reason in reasons):
+        damaged = "; ".join(f"{os.path.basename(path)}: {reason}" for path, reason in reasons)
+        raise ConfigError(
+            f"no intact checkpoint in {run_dir} to resume from ({damaged}); move the run directory away to start over"
+        )
+
+
 def check_ray_address() -> None:
     """When RAY_ADDRESS names a cluster, check within seconds that it answers (`ray.init` would retry for
     minutes); `ConfigError` naming the address otherwise. No-op without RAY_ADDRESS."""
@@ -317,6 +331,7 @@ class ElasticTrainer:
 
         spec = self.spec
         run_dir = check_storage(spec)
+        check_resumable(run_dir)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]

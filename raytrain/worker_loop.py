@@ -20,11 +20,12 @@ from torch import nn
 
 from raytrain import faults
 from raytrain.batch_plan import BatchPlan
-from raytrain.checkpoint import TrainState, load_checkpoint, read_step, remove_uncommitted, save_checkpoint
+from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint_files import checkpoint_dirs, read_step, remove_uncommitted, verify
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
-from raytrain.errors import NonFiniteError
+from raytrain.errors import DamagedCheckpointsError, NonFiniteError
 from raytrain.failures import mark
 from raytrain.faults import fault_point
 from raytrain.lr_rules import describe_lr_on_resume
@@ -226,16 +227,53 @@ def build_model(job: WorkerJob) -> nn.Module:
     return job.model_fn()
 
 
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, np.ndarray, bool]:
-    """The latest checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True), or a
-    fresh state and False when there is none."""
+def restore_candidates(latest: str | None, run_dir: str | None) -> list[str]:
+    """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of the
+    run directory (never a newer one: written after the latest commit, it was never committed)."""
+    if latest is None:
+        return []
+    if not run_dir or not os.path.isdir(latest):
+        return [latest]
+    newest = read_step(latest) if os.path.exists(os.path.join(latest, "raytrain_state.json")) else 2**62
+    older = [path for step, path in reversed(checkpoint_dirs(run_dir)) if step <= newest and path != latest]
+    return [latest, *older]
+
+
+def _restore(
+    model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | None, log: Rank0Log
+) -> tuple[TrainState, np.ndarray, bool]:
+    """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True),
+    or a fresh state and False when there is none.
+
+    First rank 0 removes what Ray never committed (directories newer than Ray's latest checkpoint). A damaged
+    checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays on disk
+    (Ray deletes it in its turn); when every one is damaged, `DamagedCheckpointsError` stops the run (never a
+    partial load). Every rank sees the same files, so every rank chooses the same checkpoint."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState(), np.zeros(0, dtype=np.int64), False
-    with checkpoint.as_directory() as directory:
-        return (*load_checkpoint(directory, model, optimizer), True)
+    with checkpoint.as_directory() as latest:
+        if run_dir and log.active and os.path.exists(os.path.join(latest, "raytrain_state.json")):
+            for path in remove_uncommitted(run_dir, read_step(latest)):
+                log.print(f"removed {os.path.basename(path)}: written after the latest committed checkpoint")
+        damaged: list[tuple[str, str]] = []
+        for directory in restore_candidates(latest, run_dir):
+            reason = verify(directory)
+            if reason is None:
+                for path, why in damaged:
+                    log.print(
+                        f"WARNING: checkpoint {os.path.basename(path)} is damaged ({why}); resuming from "
+                        f"{os.path.basename(directory)}"
+                    )
+                return (*load_checkpoint(directory, model, optimizer), True)
+            damaged.append((directory, reason))
+    raise DamagedCheckpointsError(
+        "no intact checkpoint to resume from: "
+        + "; ".join(f"{os.path.basename(path)}: {why}" for path, why in damaged)
+        + " (move the run directory away to start over)"
+    )
 
 
 def _step_source(
@@ -326,10 +364,7 @@ def start_run(job: WorkerJob) -> Run:
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
-    state, consumed, restored = _restore(model, optimizer)
-    if rank == 0 and job.run_dir and restored:  # only beside a committed checkpoint: nothing else is touched
-        for path in remove_uncommitted(job.run_dir, state.step):
-            log.print(f"removed {os.path.basename(path)}: written after step {state.step} but never committed")
+    state, consumed, restored = _restore(model, optimizer, job.run_dir, log)
     if scaler is not None and state.loss_scale:
         scaler.load_state_dict(state.loss_scale)
 

@@ -121,7 +121,7 @@ def test_a_nan_stops_the_run_at_once_and_keeps_the_last_good_checkpoint(ray_loca
     assert len(starts) == 1, "a NaN is not retried"
     steps = [m["step"] for m in read_jsonl(tmp_path / "nan" / "metrics.jsonl")]
     assert steps == list(range(1, bad_step))  # nothing of the bad step was recorded or committed
-    from raytrain.checkpoint import checkpoint_dirs
+    from raytrain.checkpoint_files import checkpoint_dirs
 
     assert max(step for step, _ in checkpoint_dirs(str(tmp_path / "nan"))) == bad_step - 1
 

@@ -155,3 +155,35 @@ def test_trackers_see_every_step_once_across_a_resume(ray_local: None, tmp_path:
 def test_a_tracker_without_its_methods_is_rejected_on_the_driver(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="trackers must have start"):
         make_trainer(tmp_path, "bad", workers=1, trackers=[object()])
+
+
+def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(ray_local: None, tmp_path: Path) -> None:
+    from raytrain.checkpoint_files import checkpoint_dirs
+
+    reference = read_jsonl(make_trainer(tmp_path, "whole", workers=2, steps=8).fit().metrics_path)
+    make_trainer(tmp_path, "cut", workers=2, steps=6, every=2).fit()
+    step, latest = checkpoint_dirs(str(tmp_path / "cut"))[-1]
+    assert step == 6
+    shard = Path(latest) / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])  # a full disk or an upload cut short
+    result = make_trainer(tmp_path, "cut", workers=2, steps=8, every=2).fit()
+    log = (tmp_path / "cut" / "raytrain.log").read_text()
+    assert f"WARNING: checkpoint {Path(latest).name} is damaged (__1_0.distcp has 100 of its" in log
+    starts = read_jsonl(result.events_path)
+    assert starts[-1]["step"] == 4  # the newest intact checkpoint
+    metrics = read_jsonl(result.metrics_path)
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    for a, b in zip(reference[4:], metrics[4:], strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+
+
+def test_with_every_checkpoint_damaged_the_run_stops_before_any_worker(ray_local: None, tmp_path: Path) -> None:
+    from raytrain.checkpoint_files import checkpoint_dirs
+
+    make_trainer(tmp_path, "lost", workers=1, steps=4, every=2).fit()
+    for _, path in checkpoint_dirs(str(tmp_path / "lost")):
+        (Path(path) / "__0_0.distcp").unlink()
+    starts_before = len(read_jsonl(tmp_path / "lost" / "events.jsonl"))
+    with pytest.raises(ConfigError, match=r"no intact checkpoint in .* __0_0.distcp is missing.*move the run"):
+        make_trainer(tmp_path, "lost", workers=1, steps=6, every=2).fit()
+    assert len(read_jsonl(tmp_path / "lost" / "events.jsonl")) == starts_before

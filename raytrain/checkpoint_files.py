@@ -1,0 +1,174 @@
+"""The checkpoint directories of a run on disk: finding them, proving them whole, and reading them safely.
+
+    manifest.json   rank 0 writes it last: every file of the checkpoint (all ranks' shards included) and its size
+
+`verify` checks a directory against its manifest (every file present, at its size), so a checkpoint cut short by a
+full disk, a crash during the upload or a lost file is recognised before anything is loaded, identically on every
+rank. `SafeReader` and `SafeLoadPlanner` read DCP checkpoints without unpickling arbitrary objects: DCP's own
+reader unpickles `.metadata` with `pickle.load` and non-tensor items with `torch.load(weights_only=False)`, either
+of which runs code from a crafted file; here the metadata unpickler admits only DCP's metadata classes and the
+items go through `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+STATE_FILE = "raytrain_state.json"
+MANIFEST_FILE = "manifest.json"
+METADATA_FILE = ".metadata"
+
+
+def read_step(directory: str) -> int:
+    """The step a checkpoint directory was written at (its train state only; nothing is loaded)."""
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        return int(json.load(f).get("step", 0))
+
+
+def file_sizes(directory: str) -> dict[str, int]:
+    """Name -> size of the files directly in `directory`."""
+    return {
+        entry.name: entry.stat().st_size
+        for entry in os.scandir(directory)
+        if entry.is_file() and entry.name != MANIFEST_FILE
+    }
+
+
+def write_manifest(directory: str, files: dict[str, int]) -> None:
+    """Record `files` (every rank's, merged) as the checkpoint's contents; rank 0, after every file is written."""
+    with open(os.path.join(directory, MANIFEST_FILE), "w") as f:
+        json.dump({"files": files}, f)
+
+
+def verify(directory: str) -> str | None:
+    """Why the checkpoint in `directory` cannot be loaded (a file missing or shorter than written, metadata that
+    does not parse), or None when it is whole. Reads sizes and the small metadata file only."""
+    path = os.path.join(directory, MANIFEST_FILE)
+    if not os.path.isdir(directory):
+        return "the directory is missing"
+    if not os.path.exists(path):
+        if _written_before_manifests(directory):
+            return None  # raytrain 0.1 wrote no manifest: nothing to check sizes against
+        return "no manifest.json (the save did not finish)"
+    try:
+        with open(path) as f:
+            expected: dict[str, int] = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"manifest.json is unreadable ({err})"
+    for name, size in sorted(expected.items()):
+        file = os.path.join(directory, name)
+        if not os.path.exists(file):
+            return f"{name} is missing"
+        actual = os.path.getsize(file)
+        if actual != size:
+            return f"{name} has {actual} of its {size} bytes"
+    try:
+        _read_metadata(os.path.join(directory, METADATA_FILE))
+    except Exception as err:
+        return f"{METADATA_FILE} does not parse ({type(err).__name__}: {err})"
+    return None
+
+
+def _written_before_manifests(directory: str) -> bool:
+    """A checkpoint of raytrain 0.1: a readable train state without `format_version` (and DCP metadata)."""
+    try:
+        with open(os.path.join(directory, STATE_FILE)) as f:
+            state = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return "format_version" not in state and os.path.exists(os.path.join(directory, METADATA_FILE))
+
+
+def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `run_dir` whose train state can be read, oldest step first.
+    A directory without one (a save cut short) is left out."""
+    found: list[tuple[int, str]] = []
+    if not os.path.isdir(run_dir):
+        return found
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if name.startswith("checkpoint_") and os.path.isdir(path):
+            try:
+                found.append((read_step(path), path))
+            except (OSError, ValueError):
+                continue
+    return sorted(found)
+
+
+def remove_uncommitted(run_dir: str, latest_committed_step: int) -> list[str]:
+    """Delete the checkpoint directories of steps after `latest_committed_step`: written by a worker group that
+    failed before Ray committed them, so that Ray's `num_to_keep`, which only counts what it committed, leaves no
+    more than that on disk. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
+    removed = [path for step, path in checkpoint_dirs(run_dir) if step > latest_committed_step]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+# ---------------------------------------------------------------- reading without arbitrary unpickling
+
+_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch dtypes and sizes, paths; refuses every other global."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == _METADATA_MODULE or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which raytrain does not load")
+
+
+def _read_metadata(path: str) -> Metadata:
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(f).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by `_MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, refusing anything but DCP's own classes."""
+        metadata = _read_metadata(os.path.join(str(self.path), METADATA_FILE))
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor items read by `torch.load(weights_only=True)` (the same placement as
+    `DefaultLoadPlanner.load_bytes`, which uses `weights_only=False`)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Set one non-tensor item (e.g. an optimizer's param_groups) from its bytes, without arbitrary objects."""
+        from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper for flattened dicts
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -1,0 +1,92 @@
+"""Checkpoint integrity and safe reading (no Ray): a manifest proves a checkpoint whole; DCP files are read
+without unpickling arbitrary objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint_files import SafeReader, checkpoint_dirs, verify
+
+
+def _checkpoint(tmp_path: Path, step: int = 3) -> tuple[Path, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    import numpy as np
+
+    directory = Path(save_checkpoint(model, optimizer, TrainState(step=step), 0, np.zeros(0, np.int64)))
+    target = tmp_path / f"checkpoint_{step}"
+    shutil.move(str(directory), target)
+    return target, model
+
+
+def test_a_whole_checkpoint_verifies_and_loads_through_the_safe_reader(tmp_path: Path) -> None:
+    directory, model = _checkpoint(tmp_path)
+    assert verify(str(directory)) is None
+    manifest = json.loads((directory / "manifest.json").read_text())["files"]
+    assert {".metadata", "__0_0.distcp", "raytrain_state.json", "consumed_ids.npy"} <= set(manifest)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    state, _ = load_checkpoint(str(directory), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    assert state.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True))
+
+
+def test_a_truncated_or_missing_shard_is_named(tmp_path: Path) -> None:
+    directory, _ = _checkpoint(tmp_path)
+    shard = directory / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    assert verify(str(directory)) == f"__0_0.distcp has {size // 2} of its {size} bytes"
+    shard.unlink()
+    assert verify(str(directory)) == "__0_0.distcp is missing"
+    (directory / "manifest.json").unlink()
+    assert verify(str(directory)) == "no manifest.json (the save did not finish)"
+
+
+def test_checkpoints_of_raytrain_0_1_without_a_manifest_are_accepted(tmp_path: Path) -> None:
+    directory, _ = _checkpoint(tmp_path)
+    (directory / "manifest.json").unlink()
+    state = json.loads((directory / "raytrain_state.json").read_text())
+    del state["format_version"]
+    (directory / "raytrain_state.json").write_text(json.dumps(state))
+    assert verify(str(directory)) is None
+    assert checkpoint_dirs(str(tmp_path)) == [(3, str(directory))]
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_metadata_is_refused_not_executed(tmp_path: Path) -> None:
+    directory, _ = _checkpoint(tmp_path)
+    marker = tmp_path / "code-ran"
+    (directory / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest["files"][".metadata"] = (directory / ".metadata").stat().st_size
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+    reason = verify(str(directory))
+    assert reason is not None and "which raytrain does not load" in reason and "system" in reason
+    with pytest.raises(pickle.UnpicklingError, match="which raytrain does not load"):
+        SafeReader(str(directory)).read_metadata()
+    assert not marker.exists()
+    # The negative control: DCP's own reader unpickles the file as it is, and so runs the payload.
+    with pytest.raises(AttributeError):  # the payload's return value is not metadata: DCP fails only after it ran
+        dcp.FileSystemReader(str(directory)).read_metadata()
+    assert marker.exists()
