@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from raytrain.console import VERBOSE_ENV, set_output
 from raytrain.errors import ConfigError, UserCodeError
+from raytrain.run_lock import run_lock
 
 if TYPE_CHECKING:
     from raytrain.fit_config import FitJob
@@ -183,6 +184,12 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         default="remove@20,add@60",
         help="KIND@STEP,... with KIND remove|add|kill, or none (default %(default)s)",
     )
+    p.add_argument(
+        "--faults",
+        default="",
+        help="inject worker crashes (SIGKILL) at RANK:STEP:PHASE,... or random:SEED:COUNT:LAST_STEP, PHASE in forward, "
+        "backward, optimizer, checkpoint, report (see raytrain/faults.py)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(run=_run_demo)
 
@@ -192,6 +199,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     from raytrain.demo import DemoOptions, run_demo
 
     low, high = parse_worker_range(args.workers)
+    if args.faults:
+        from raytrain.faults import ENV, parse_faults
+
+        parse_faults(args.faults)  # a bad spec fails here, not in the workers
+        os.environ[ENV] = args.faults  # the workers get it with the job (`raytrain.trainer.worker_env`)
     args.run_name = args.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     args.run_dir = os.path.join(os.path.abspath(args.storage), args.run_name)  # for an interruption's message
     options = DemoOptions(
@@ -289,7 +301,7 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 def _run_fit(args: argparse.Namespace) -> int:
     from raytrain.fit_config import describe_plan, parse_fit_config
-    from raytrain.trainer import ElasticTrainer, check_ray_address, check_resumable, check_storage
+    from raytrain.trainer import check_ray_address, check_resumable, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))
     args.run_dir = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
@@ -298,6 +310,12 @@ def _run_fit(args: argparse.Namespace) -> int:
         print(describe_plan(job))
         return 0
     check_ray_address()
+    with run_lock(args.run_dir):  # before Ray starts: a second `raytrain fit` of the same run refuses at once
+        return _train_fit(job, args)
+
+
+def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
+    from raytrain.trainer import ElasticTrainer
 
     trainer = ElasticTrainer(
         model_fn=job.entries["model"],

@@ -23,6 +23,7 @@ from typing import Any
 from raytrain.console import output
 from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, read_jsonl
+from raytrain.run_lock import run_lock
 
 EVENT_KINDS = ("remove", "add", "kill")
 WORKER_SLOT = "worker_slot"
@@ -366,10 +367,8 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the demo end to end and return its summary (also written to <run>/summary.json)."""
     import ray
 
-    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-    from raytrain.console import init_ray, quiet_ray_logging
-    from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
-    from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, check_ray_address, check_storage_writable
+    from raytrain.console import quiet_ray_logging
+    from raytrain.trainer import check_ray_address, check_storage_writable
 
     events = parse_events(options.events)
     run_name = options.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
@@ -378,7 +377,21 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
         print(f"[raytrain demo] warning: {note}", file=output(), flush=True)
     check_ray_address()  # seconds, not minutes, for an address nobody answers at
     quiet_ray_logging()  # before the fake-node cluster starts
-    check_storage_writable(os.path.join(os.path.abspath(options.storage), run_name))
+    run_dir = os.path.join(os.path.abspath(options.storage), run_name)
+    check_storage_writable(run_dir)
+    with run_lock(run_dir):  # before any Ray process: the same run started twice refuses at once
+        return _run(options, events, run_name, external)
+
+
+def _run(options: DemoOptions, events: list[Event], run_name: str, external: bool) -> dict[str, Any]:
+    """`run_demo` once its options are checked and the run is locked."""
+    import ray
+
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.console import init_ray
+    from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
+    from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, own_state_api
+
     apply_ray_env_defaults()
     cluster: FakeCluster | None = None
     if external:
@@ -386,6 +399,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
             init_ray()
         resources: dict[str, float] = {"CPU": 1.0}
     else:
+        own_state_api(1)  # the fake cluster has no dashboard: Ray's state API answers nothing, never another run
         cluster = FakeCluster(options.nodes)
         init_ray(address=cluster.address)
         resources = {"CPU": 1.0, WORKER_SLOT: 1.0}

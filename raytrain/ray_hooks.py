@@ -17,7 +17,7 @@ from ray.train.v2._internal.execution.callback import ControllerCallback, Worker
 from ray.train.v2._internal.execution.controller import state as controller_state
 from ray.train.v2.api.exceptions import ControllerError
 
-from raytrain.console import append_line
+from raytrain.console import append_line, output
 from raytrain.errors import UserCodeError
 from raytrain.failures import Signature, signature
 
@@ -101,7 +101,7 @@ def quiet_driver_error_messages() -> None:
         for message in data.get("lines", []):
             first = next((line for line in str(message).splitlines() if line.strip()), "")
             end = first.find(". ")
-            print(f"[ray] {first[: end + 1] if end > 0 else first[:200]}", flush=True)
+            print(f"[ray] {first[: end + 1] if end > 0 else first[:200]}", file=output(), flush=True)
 
     ray_worker.print_to_stdstream = one_line
 

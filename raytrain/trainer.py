@@ -32,6 +32,7 @@ from raytrain.config import (
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
+from raytrain.run_lock import run_lock
 from raytrain.trackers import check_trackers
 
 if TYPE_CHECKING:
@@ -123,7 +124,9 @@ def connect_ray(local_cpus: int = 1) -> None:
     `local_cpus` logical CPUs; never join another process's cluster found in /tmp/ray. No-op when connected.
 
     Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them. Quiet unless
-    `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`).
+    `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`). A local instance gets
+    its dashboard on 127.0.0.1 only, at a port of its own that every Ray process of the instance is told
+    (`own_state_api`), so several runs on one machine never mistake each other's clusters.
     """
     import ray
 
@@ -135,7 +138,39 @@ def connect_ray(local_cpus: int = 1) -> None:
         check_ray_address()
         init_ray(address=address)
     else:
-        init_ray(address="local", num_cpus=max(os.cpu_count() or 1, local_cpus), dashboard_host="127.0.0.1")
+        port = own_state_api()
+        init_ray(
+            address="local",
+            num_cpus=max(os.cpu_count() or 1, local_cpus),
+            include_dashboard=True,
+            dashboard_host="127.0.0.1",
+            dashboard_port=port,
+        )
+
+
+def own_state_api(port: int | None = None) -> int:
+    """Point Ray's state API, in this process and every Ray process it starts, at the dashboard of the local
+    instance about to start (127.0.0.1:`port`, a free port by default); return the port.
+
+    Why: Ray Train's PlacementGroupCleaner asks the state API whether the run's controller is alive, and without
+    `RAY_API_SERVER_ADDRESS` the state API finds "the" cluster through Ray's current-cluster file, i.e. the most
+    recently started instance on the machine. With a second raytrain run (or any Ray) started meanwhile, it asks
+    the wrong cluster, hears "no such actor" and removes the live run's placement group: an unplanned restart.
+    A value the user set is kept.
+    """
+    if port is None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+    current = os.environ.get("RAY_API_SERVER_ADDRESS")
+    if current is None or current == _OWN_STATE_API.get("value"):  # not set, or set by raytrain for a former instance
+        _OWN_STATE_API["value"] = os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
+    return port
+
+
+_OWN_STATE_API: dict[str, str] = {}  # the RAY_API_SERVER_ADDRESS raytrain set in this process, if any
 
 
 def worker_env() -> dict[str, str]:
@@ -316,7 +351,13 @@ class ElasticTrainer:
 
     def fit(self) -> FitResult:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
-        instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster)."""
+        instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster). Holds the
+        run directory's lock (`raytrain.run_lock`) throughout: the same run started again meanwhile refuses."""
+        run_dir = check_storage(self.spec)
+        with run_lock(run_dir):
+            return self._fit(run_dir)
+
+    def _fit(self, run_dir: str) -> FitResult:
         from ray.train import CheckpointConfig as RayCheckpointConfig
 
         # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
@@ -330,7 +371,6 @@ class ElasticTrainer:
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
-        run_dir = check_storage(spec)
         check_resumable(run_dir)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))

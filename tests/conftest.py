@@ -23,3 +23,16 @@ def ray_local() -> Iterator[None]:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The reference the elastic and fault tests compare with: 3 workers on 3 fake nodes, no event, 100 steps."""
+    from ray_helpers import demo, losses
+
+    tmp = tmp_path_factory.mktemp("fixed")
+    summary = demo(
+        tmp, "fixed", "--nodes", "3", "--workers", "3", "--events", "none", "--steps", "100", "--sample-time", "0"
+    )
+    assert summary["world_sizes"] == [3]
+    return losses(summary)

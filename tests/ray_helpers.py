@@ -155,3 +155,59 @@ def socket_probe(port: int) -> None:
     import socket
 
     socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# ---------------------------------------------------------------- `raytrain demo --json` runs (elastic and faults)
+
+GLOBAL_BATCH = 24
+EPOCH_STEPS = 10
+RUN_TIMEOUT_S = 600
+
+
+def demo(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """`raytrain demo --json` in a subprocess with its own fake-node cluster; its summary plus its stderr. Checks
+    that stdout is one JSON object and that every stderr line is raytrain's or a one-line Ray error."""
+    import os
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "raytrain.cli", "demo", "--storage", str(tmp), "--run-name", name, "--json"]
+    command += ["--global-batch", str(GLOBAL_BATCH), "--micro-batch", "4", "--epoch-steps", str(EPOCH_STEPS)]
+    command += ["--audit-samples", *args]
+    environment = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **(env or {})}
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=environment)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"waited {RUN_TIMEOUT_S} s for `raytrain demo {' '.join(args)}` to finish") from err
+    assert done.returncode == 0, f"demo {args} failed:\n{done.stderr[-4000:]}"
+    stdout = done.stdout.strip().splitlines()
+    assert len(stdout) == 1, f"--json prints one JSON object on stdout, got {len(stdout)} lines"
+    noise = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("[raytrain", "[ray]"))]
+    assert not noise, "lines that are neither raytrain's nor a Ray error summary:\n" + "\n".join(noise[:20])
+    return {**json.loads(stdout[0]), "stderr": done.stderr}
+
+
+def losses(summary: dict[str, Any]) -> list[float]:
+    """The loss of every step of a demo run."""
+    return [record["loss"] for record in read_jsonl(summary["metrics"])]
+
+
+def check_invariants(summary: dict[str, Any], steps: int) -> None:
+    """Every step present once with the global batch exact, and a clean audit of every completed epoch."""
+    lines = read_jsonl(summary["metrics"])
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    assert {m["global_batch_size"] for m in lines} == {GLOBAL_BATCH}
+    assert all(sum(m["per_rank_samples"]) == GLOBAL_BATCH for m in lines)
+    completed = steps // EPOCH_STEPS
+    assert len(summary["audit"]) == completed
+    for epoch, counts in summary["audit"].items():
+        assert counts == {"duplicates": 0, "missing": 0}, f"epoch {epoch}: {counts}"
+
+
+def assert_same_curve(summary: dict[str, Any], reference: list[float]) -> None:
+    """The run's loss equals the fixed-size reference step by step (deterministic mode)."""
+    import pytest
+
+    curve = losses(summary)
+    for step, (a, b) in enumerate(zip(curve, reference, strict=False), start=1):
+        assert a == pytest.approx(b, rel=1e-4), f"step {step}: {a} vs fixed-size {b}"
