@@ -105,6 +105,25 @@ def check_columns(dataset: Any, required: Sequence[str]) -> list[str]:
     return names
 
 
+def check_numeric_columns(sample: dict[str, np.ndarray], required: Sequence[str]) -> None:
+    """`ConfigError` naming a required column that raytrain cannot hand to `loss_fn` as a tensor: not numeric
+    (strings, objects), or lists of different lengths (ragged), judged on `sample` (some real rows)."""
+    for name in required:
+        column = sample.get(name)
+        if column is None or column.dtype.kind in "biuf":
+            continue
+        if column.dtype == object and len(column) and isinstance(column[0], np.ndarray | list):
+            lengths = sorted({len(item) for item in column})
+            raise ConfigError(
+                f"column {name!r} holds lists of different lengths ({lengths[0]}..{lengths[-1]}): raytrain passes "
+                "each column to loss_fn as one tensor; pad the lists to one length"
+            )
+        raise ConfigError(
+            f"column {name!r} is not numeric (dtype {column.dtype}, e.g. {column[:1].tolist()!r}): raytrain passes "
+            "only numeric columns to loss_fn; encode it as numbers"
+        )
+
+
 def _ids_of_blocks(id_column: str | None, *tables: Any) -> np.ndarray:
     """Sample ids of all Arrow blocks in order (zeros as placeholders when raytrain numbers rows itself).
 

@@ -365,7 +365,7 @@ class ElasticTrainer:
         from ray.train.torch import TorchTrainer
         from ray.train.v2.api.exceptions import ControllerError
 
-        from raytrain.data import IndexedData, check_columns, steps_per_epoch
+        from raytrain.data import IndexedData, check_columns, check_numeric_columns, steps_per_epoch
         from raytrain.ray_hooks import RunLog, StopRepeatedUserErrors
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
@@ -381,6 +381,7 @@ class ElasticTrainer:
         if spec.loop.deterministic:
             data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
+            check_numeric_columns(data.head(1000), self.required_columns)
             self.check_loss_fn(data.head(2))
             job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
@@ -388,6 +389,7 @@ class ElasticTrainer:
             if spec.batch.drop_last:  # counting may read the data once; only needed for this check
                 steps_per_epoch(train.count(), spec.batch.global_batch, drop_last=True)
             first = train.take_batch(2, batch_format="numpy")
+            check_numeric_columns(train.take_batch(1000, batch_format="numpy"), self.required_columns)
             self.check_loss_fn(first)
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in first.items()})
             trainer_datasets["train"] = train

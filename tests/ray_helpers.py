@@ -36,6 +36,7 @@ def make_trainer(
     drop_last: bool = False,
     loss_fn: Any = squared_error,
     max_failures: int = 0,
+    id_column: str | None = "id",
     **kwargs: Any,
 ) -> ElasticTrainer:
     """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails)."""
@@ -51,7 +52,7 @@ def make_trainer(
             max_steps=steps,
             strategy=strategy,
             audit_samples=audit,
-            id_column="id",
+            id_column=id_column,
             deterministic=deterministic,
             shuffle_buffer=16,
             max_grad_norm=max_grad_norm,

@@ -1,0 +1,207 @@
+"""Bad input, everywhere: each of these configurations and data sets is one `ConfigError` before any worker
+starts, naming the field (or column), the value and what is valid. Table-driven; the data cases use a real local
+Ray instance (the data is read as a user's would be), the others need nothing."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from ray_helpers import make_trainer
+
+from raytrain.config import (
+    BatchConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    LoopConfig,
+    LRConfig,
+    ParallelConfig,
+    TrainSpec,
+)
+from raytrain.errors import ConfigError
+from raytrain.toy import squared_error
+
+CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
+    (
+        "global_batch not an int",
+        lambda: BatchConfig(global_batch="64", micro_batch=8),
+        "global_batch must be an integer >= 1, got '64'",
+    ),
+    (
+        "global_batch 0",
+        lambda: BatchConfig(global_batch=0, micro_batch=8),
+        "global_batch must be an integer >= 1, got 0",
+    ),
+    (
+        "micro_batch negative",
+        lambda: BatchConfig(global_batch=8, micro_batch=-1),
+        "micro_batch must be an integer >= 1, got -1",
+    ),
+    ("base_lr 0", lambda: LRConfig(base_lr=0), "base_lr must be a number > 0, got 0"),
+    ("lr rule", lambda: LRConfig(base_lr=0.1, rule="cube"), "lr_rule must be one of linear, sqrt, none, got 'cube'"),
+    (
+        "schedule",
+        lambda: LRConfig(base_lr=0.1, schedule="step"),
+        "schedule must be one of constant, cosine, linear, got 'step'",
+    ),
+    (
+        "min_lr_ratio",
+        lambda: LRConfig(base_lr=0.1, min_lr_ratio=2),
+        r"min_lr_ratio must be a number in \[0, 1\], got 2",
+    ),
+    (
+        "strategy",
+        lambda: LoopConfig(strategy="zero4"),
+        "strategy must be one of auto, ddp, zero1, zero2, zero3, got 'zero4'",
+    ),
+    ("epochs 0", lambda: LoopConfig(epochs=0), "epochs must be an integer >= 1, got 0"),
+    (
+        "max_grad_norm negative",
+        lambda: LoopConfig(max_grad_norm=-1.0),
+        "max_grad_norm must be a finite number > 0 or None, got -1.0",
+    ),
+    ("on_nonfinite", lambda: LoopConfig(on_nonfinite="ignore"), "on_nonfinite must be one of stop, skip, got 'ignore'"),
+    (
+        "min > max workers",
+        lambda: ClusterConfig(min_workers=3, max_workers=2),
+        "min_workers must be <= max_workers, got min_workers=3 > max_workers=2",
+    ),
+    (
+        "negative resource",
+        lambda: ClusterConfig(resources_per_worker={"CPU": -1}),
+        r"resources_per_worker\['CPU'\] must be a number >= 0, got -1",
+    ),
+    (
+        "run_name with /",
+        lambda: CheckpointConfig(run_name="a/b"),
+        "run_name must be a non-empty name without '/', got 'a/b'",
+    ),
+    ("every_steps 0", lambda: CheckpointConfig(every_steps=0), "every_steps must be an integer >= 1, got 0"),
+    ("precision", lambda: ParallelConfig(precision="fp8"), "precision must be one of fp32, bf16, fp16, got 'fp8'"),
+    (
+        "more workers than samples",
+        lambda: TrainSpec(
+            batch=BatchConfig(global_batch=2, micro_batch=1),
+            lr=LRConfig(base_lr=0.1),
+            loop=LoopConfig(),
+            checkpoint=CheckpointConfig(),
+            cluster=ClusterConfig(min_workers=1, max_workers=3),
+        ),
+        r"max_workers must be <= global_batch \(2\), got 3",
+    ),
+    (
+        "fp16 with zero3",
+        lambda: TrainSpec(
+            batch=BatchConfig(global_batch=8, micro_batch=4),
+            lr=LRConfig(base_lr=0.1),
+            loop=LoopConfig(strategy="zero3"),
+            checkpoint=CheckpointConfig(),
+            cluster=ClusterConfig(),
+            parallel=ParallelConfig(precision="fp16"),
+        ),
+        "precision 'fp16' needs strategy ddp or zero1",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "build", "message"), CONFIG_CASES, ids=[c[0] for c in CONFIG_CASES])
+def test_bad_configuration(name: str, build: Callable[[], Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+class NeedsTrust(torch.optim.SGD):
+    def __init__(self, params: Any, lr: float, trust: float) -> None:
+        super().__init__(params, lr=lr)
+
+
+def _table(**columns: Any) -> Any:
+    import ray.data
+
+    return ray.data.from_arrow(pa.table(columns))
+
+
+def _good_columns(rows: int = 40) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    return {
+        "id": pa.array(np.arange(rows)),
+        "x": pa.array(list(rng.normal(size=(rows, 8)).astype(np.float32))),
+        "y": pa.array(rng.normal(size=rows).astype(np.float32)),
+    }
+
+
+def _mean_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return squared_error(model, batch).mean()
+
+
+DATA_CASES: list[tuple[str, Callable[[], dict[str, Any]], dict[str, Any], str]] = [
+    (
+        "missing column",
+        lambda: {k: v for k, v in _good_columns().items() if k != "y"},
+        {},
+        r"training dataset has no column\(s\) \['y'\]",
+    ),
+    ("non-numeric column", lambda: {**_good_columns(), "y": pa.array(["a"] * 40)}, {}, "column 'y' is not numeric"),
+    (
+        "ragged lists",
+        lambda: {**_good_columns(), "x": pa.array([[1.0] * (1 + i % 3) for i in range(40)])},
+        {},
+        "column 'x' holds lists of different lengths",
+    ),
+    (
+        "duplicate ids",
+        lambda: {**_good_columns(), "id": pa.array([i // 2 for i in range(40)])},
+        {},
+        "id_column 'id' must hold a unique id per row",
+    ),
+    ("empty data set", lambda: {k: v[:0] for k, v in _good_columns().items()}, {}, "training dataset is empty"),
+    ("loss returns a mean", _good_columns, {"loss_fn": _mean_loss}, "must return one loss per sample"),
+    (
+        "unshardable optimizer",
+        _good_columns,
+        {"strategy": "zero1", "optimizer_fn": functools.partial(NeedsTrust, trust=1.0)},
+        "cannot shard optimizer",
+    ),
+    (
+        "batch larger than the data with drop_last",
+        _good_columns,
+        {"global_batch": 80, "drop_last": True},
+        r"global_batch \(80\) is larger than the training set \(40 rows\)",
+    ),
+]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize(("name", "columns", "options", "message"), DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_bad_data_or_functions(
+    ray_local: None,
+    tmp_path: Path,
+    name: str,
+    columns: Callable[[], dict[str, Any]],
+    options: dict[str, Any],
+    message: str,
+) -> None:
+    trainer = make_trainer(tmp_path, "bad", workers=2, **options)
+    trainer.datasets["train"] = _table(**columns())
+    with pytest.raises(ConfigError, match=message):
+        trainer.fit()
+    assert not (tmp_path / "bad" / "events.jsonl").exists()  # no worker ever started
+
+
+def test_streaming_without_an_id_column_and_unknown_toml_keys(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="id_column must name a column with a unique integer id per sample"):
+        make_trainer(tmp_path, "s", workers=1, deterministic=False, id_column=None)
+    from raytrain.fit_config import parse_fit_config
+
+    path = tmp_path / "job.toml"
+    path.write_text(
+        '[entry]\nmodel = "a:b"\nloss = "a:b"\noptimizer = "a:b"\ndatasets = "a:b"\n[batch]\nglobal_bach = 8\n'
+    )
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['global_bach'\] in \[batch\]"):
+        parse_fit_config(str(path))
