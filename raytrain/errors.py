@@ -19,3 +19,8 @@ class NonFiniteError(RuntimeError):
 class DamagedCheckpointsError(RuntimeError):
     """Every checkpoint the run could resume from is damaged (a file missing or cut short): the run stops at once,
     naming each and why, instead of loading a part or retrying."""
+
+
+class OutOfMemory(RuntimeError):
+    """A worker ran out of memory at a step; the message names the strategy and micro-batch to change. Not retried:
+    the same step would need the same memory again."""

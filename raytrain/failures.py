@@ -10,7 +10,10 @@ A worker that dies (SIGKILL, a lost node) raises nothing in Python and is never 
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
+
+import torch
 
 STEP_ATTRIBUTE = "raytrain_step"
 WHERE_ATTRIBUTE = "raytrain_where"
@@ -20,12 +23,34 @@ FATAL_ATTRIBUTE = "raytrain_fatal"
 def mark(error: BaseException, step: int, where: str) -> None:
     """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from) and the
     phase ("start" or "step") in which it escaped the worker loop. Travels with the exception when Ray pickles it."""
-    from raytrain.errors import DamagedCheckpointsError, NonFiniteError
+    from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 
     setattr(error, STEP_ATTRIBUTE, step)
     setattr(error, WHERE_ATTRIBUTE, where)
-    # Deterministic, and not the code's to fix by a rerun: not worth even one retry.
-    setattr(error, FATAL_ATTRIBUTE, isinstance(error, NonFiniteError | DamagedCheckpointsError))
+    # Deterministic, or the storage's to fix: not worth even one retry.
+    fatal = isinstance(error, NonFiniteError | DamagedCheckpointsError | OutOfMemory) or is_storage_error(error)
+    setattr(error, FATAL_ATTRIBUTE, fatal)
+
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def is_storage_error(error: BaseException) -> bool:
+    """A full, read-only or forbidden storage (ENOSPC, EDQUOT, EROFS, EACCES, EPERM), anywhere in the chain."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in STORAGE_ERRNOS:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """An allocation failure: `MemoryError`, torch's `OutOfMemoryError`, or the CPU allocator's RuntimeError."""
+    text = str(error).lower()
+    return isinstance(error, MemoryError | torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+    )
 
 
 @dataclass(frozen=True)
@@ -40,8 +65,12 @@ class Signature:
 
     def describe(self, rank: int) -> str:
         """One line for the user: where and what."""
-        at = f"at step {self.step}" if self.where == "step" else f"while starting at step {self.step}"
-        return f"{self.kind}: {self.message} ({at} on rank {rank})"
+        return f"{self.kind}: {self.message} ({self.at} on rank {rank})"
+
+    @property
+    def at(self) -> str:
+        """ "at step N" or "while starting at step N"."""
+        return f"at step {self.step}" if self.where == "step" else f"while starting at step {self.step}"
 
 
 def signature(error: BaseException) -> Signature | None:

@@ -19,7 +19,7 @@ from ray.train.v2.api.exceptions import ControllerError
 
 from raytrain.console import append_line, output
 from raytrain.errors import UserCodeError
-from raytrain.failures import Signature, signature
+from raytrain.failures import Signature, is_storage_error, signature
 
 
 class StopRepeatedUserErrors(WorkerGroupCallback):
@@ -43,7 +43,7 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
             if found is None:
                 continue
             if found.fatal:
-                raise ControllerError(UserCodeError(f"{found.kind}: {found.message}"))
+                raise ControllerError(UserCodeError(fatal_message(found, error)))
             first = self._first_seen.setdefault(found, self._attempt)
             if first != self._attempt:
                 raise ControllerError(
@@ -104,6 +104,16 @@ def quiet_driver_error_messages() -> None:
             print(f"[ray] {first[: end + 1] if end > 0 else first[:200]}", file=output(), flush=True)
 
     ray_worker.print_to_stdstream = one_line
+
+
+def fatal_message(found: Signature, error: BaseException) -> str:
+    """The one line for a failure that is not retried at all (`raytrain.failures.mark`'s fatal ones)."""
+    if is_storage_error(error):
+        return (
+            f"the run's storage is full or not writable ({found.kind}: {found.message}, {found.at}); the latest "
+            "committed checkpoint is intact: free space or fix the permissions and run the same command again"
+        )
+    return f"{found.kind}: {found.message}"
 
 
 class RunLog(ControllerCallback):

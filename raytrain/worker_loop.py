@@ -25,8 +25,8 @@ from raytrain.checkpoint_files import checkpoint_dirs, read_step, remove_uncommi
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
-from raytrain.errors import DamagedCheckpointsError, NonFiniteError
-from raytrain.failures import mark
+from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
+from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
@@ -515,7 +515,12 @@ def _train(run: Run) -> None:
         if step is None:  # the epoch is used up; nothing is carried into the next one
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
-        metrics = run_step(run, step)
+        try:
+            metrics = run_step(run, step)
+        except Exception as err:
+            if out_of_memory(err):
+                raise OutOfMemory(_memory_advice(run, err)) from err
+            raise
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
         if checkpoint_now:
             _validate(run, metrics)
@@ -530,6 +535,19 @@ def _train(run: Run) -> None:
     else:
         run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
     run.log.close()
+
+
+def _memory_advice(run: Run, error: BaseException) -> str:
+    """What ran out of memory and what to change: a smaller micro-batch (more accumulation, the same global
+    batch), a ZeRO stage that shards more, bf16."""
+    spec, plan = run.spec, run.plan
+    bigger = {"ddp": "zero2 or zero3", "zero1": "zero2 or zero3", "zero2": "zero3"}.get(run.strategy, "more workers")
+    return (
+        f"out of memory at step {run.state.step + 1} ({type(error).__name__}: {str(error).splitlines()[0][:120]}) "
+        f"with strategy {run.strategy}, micro-batch cap {plan.micro_batch_cap} (largest micro-batch "
+        f"{plan.max_micro_batch}), precision {spec.parallel.precision}: lower BatchConfig.micro_batch (accumulation "
+        f"keeps the global batch at {spec.batch.global_batch}), or use {bigger}, or precision 'bf16'"
+    )
 
 
 def _validate(run: Run, metrics: dict[str, Any]) -> None:
