@@ -101,16 +101,19 @@ def wait_for(what: str, condition: Any, timeout_s: float, interval_s: float = 1.
 
 
 @contextlib.contextmanager
-def ray_head(*, dashboard: bool = False, num_cpus: int = 4) -> Iterator[dict[str, Any]]:
+def ray_head(
+    *, dashboard: bool = False, num_cpus: int = 4, env: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
     """A Ray head of its own (`ray start --head --block` in a subprocess, dashboard on 127.0.0.1 only), stopped
     by ending that subprocess's process group (never `ray stop`, which would stop every Ray instance here).
     Yields {"address": "127.0.0.1:<gcs port>", "dashboard": "http://127.0.0.1:<port>" or None, "env": ...}."""
     import os
     import signal
     import subprocess
+    import urllib.error
     import urllib.request
 
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", **(env or {})}
     env.pop("RAY_ADDRESS", None)
     gcs_port, dashboard_port = free_port(), free_port()
     command = ["ray", "start", "--head", "--block", f"--port={gcs_port}", f"--num-cpus={num_cpus}"]
@@ -128,6 +131,8 @@ def ray_head(*, dashboard: bool = False, num_cpus: int = 4) -> Iterator[dict[str
                 try:
                     with urllib.request.urlopen(f"{url}/api/version", timeout=2) as response:
                         return response.status == 200
+                except urllib.error.HTTPError:  # it answers (e.g. 401 with token authentication): it is up
+                    return True
                 except OSError:
                     return False
 

@@ -1,0 +1,105 @@
+"""Security: a job submitted to a token-authenticated cluster runs and one without the token is refused; no secret
+lands in the run's files; the dashboard of a Ray instance raytrain starts listens on 127.0.0.1 only. (That no
+checkpoint file is unpickled as arbitrary code is in tests/test_checkpoint_files.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ray_helpers import ray_head, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def submit(dashboard: str, env: dict[str, str], runs: Path) -> subprocess.CompletedProcess[str]:
+    command = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--no-wait", "--"]
+    command += ["raytrain", "fit", "examples/fit_mlp.toml", "--storage", str(runs), "--steps", "4", "--workers", "1"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_token_authentication_and_no_secret_in_the_run(tmp_path: Path) -> None:
+    token = secrets.token_hex(16)
+    secret = "AKIA" + secrets.token_hex(8).upper()  # what an AWS key looks like, set in the job's environment
+    home = tmp_path / "home"  # no ~/.ray/auth_token here: only what the test gives counts
+    home.mkdir()
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(home)}
+    with ray_head(dashboard=True, env=auth) as head:
+        runs = tmp_path / "runs"
+        without = {k: v for k, v in head["env"].items() if k != "RAY_AUTH_TOKEN"}
+        refused = submit(head["dashboard"], without, runs)
+        assert refused.returncode != 0
+        assert "Token authentication is enabled but Ray couldn't find an authentication token" in refused.stderr
+        wrong = submit(head["dashboard"], {**head["env"], "RAY_AUTH_TOKEN": secrets.token_hex(16)}, runs)
+        assert wrong.returncode != 0 and "AuthenticationError" in wrong.stderr, wrong.stderr[-1000:]
+        with_token = {**head["env"], "AWS_SECRET_ACCESS_KEY": secret}
+        job = wait_for(
+            "the submission with the token", lambda: _accepted(submit(head["dashboard"], with_token, runs)), 120, 5
+        )
+
+        def finished() -> str | None:
+            status = subprocess.run(
+                ["ray", "job", "status", "--address", head["dashboard"], job],
+                env=head["env"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            text = (status.stdout + status.stderr).upper()
+            return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in text), None)
+
+        assert wait_for(f"job {job}", finished, 420, 3) == "SUCCEEDED"
+    files = [p for p in (runs / "fit-mlp").rglob("*") if p.is_file()]
+    assert any(p.name == "metrics.jsonl" for p in files)
+    for path in files:
+        content = path.read_bytes()
+        assert token.encode() not in content and secret.encode() not in content, f"a secret in {path}"
+
+
+def _accepted(done: subprocess.CompletedProcess[str]) -> str | None:
+    found = re.search(r"raysubmit_\w+", done.stdout + done.stderr) if done.returncode == 0 else None
+    return found.group(0) if found else None
+
+
+def test_the_dashboard_raytrain_starts_listens_on_loopback_only(tmp_path: Path) -> None:
+    code = (
+        "import os, sys, time\n"
+        "from raytrain.trainer import connect_ray\n"
+        "connect_ray()\n"
+        "print(os.environ['RAY_API_SERVER_ADDRESS'], flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()
+        port = int(url.rsplit(":", 1)[1])
+        listening = wait_for(f"a socket listening on port {port}", lambda: _listeners(port), 60)
+        assert listening == {"127.0.0.1"}, f"the dashboard listens on {listening}"
+    finally:
+        if process.stdin:
+            process.stdin.close()
+        process.wait(timeout=120)
+    assert json.dumps(url).startswith('"http://127.0.0.1:')
+
+
+def _listeners(port: int) -> set[str]:
+    """The local addresses of TCP sockets listening on `port` (IPv4, from /proc/net/tcp)."""
+    found = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+            found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
