@@ -58,7 +58,10 @@ def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
             attempts.append(done.stdout[-1500:] + done.stderr[-1500:])
             return re.search(r"raysubmit_\w+", done.stdout + done.stderr) if done.returncode == 0 else None
 
-        job_id = wait_for("the job submission to be accepted", submitted, 120, interval_s=5)
+        try:
+            job_id = wait_for("the job submission to be accepted", submitted, 240, interval_s=5)
+        except AssertionError as err:  # say what the CLI answered
+            raise AssertionError(f"{err}; last answer:\n{attempts[-1] if attempts else '(none)'}") from None
 
         def cli(*args: str) -> str:
             done = subprocess.run(
