@@ -146,38 +146,12 @@ def matched_train_func(config: dict[str, Any]) -> None:
 
 def run_matched(storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int) -> dict[str, Any]:
     import ray
-    from ray.train import CheckpointConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from raytrain.toy import regression_arrays
 
-    times_path = os.path.join(storage, f"{name}-times.jsonl")
     arrays = regression_arrays(rows, FEATURES, seed=SEED)
-    config = {
-        "k": ACCUMULATION,
-        "micro_batch": MICRO_BATCH,
-        "every": every,
-        "max_steps": max_steps,
-        "epochs": epochs,
-        "seed": SEED,
-        "lr": LR,
-        "times_path": times_path,
-        "data_ref": ray.put({"x": arrays["x"], "y": arrays["y"]}),
-    }
-    trainer = TorchTrainer(
-        matched_train_func,
-        train_loop_config=config,
-        scaling_config=ScalingConfig(num_workers=WORKERS),
-        run_config=RunConfig(
-            name=name,
-            storage_path=storage,
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
-            worker_runtime_env={"env_vars": _ray_env()},
-        ),
-    )
-    started = time.time()
-    trainer.fit()
-    return {"records": read_jsonl(times_path), "started": started, "ended": time.time()}
+    data = {"data_ref": ray.put({"x": arrays["x"], "y": arrays["y"]})}
+    return _run_hand_written(matched_train_func, storage, name, epochs, max_steps, every, data, datasets=None)
 
 
 # ---------------------------------------------------------------- the naive Ray Train loop
@@ -240,10 +214,26 @@ def plain_train_func(config: dict[str, Any]) -> None:
 
 
 def run_plain(storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int) -> dict[str, Any]:
+    from raytrain.toy import regression_dataset
+
+    datasets = {"train": regression_dataset(rows, FEATURES, seed=SEED)}
+    extra = {"shuffle_buffer": SHUFFLE_BUFFER}
+    return _run_hand_written(plain_train_func, storage, name, epochs, max_steps, every, extra, datasets)
+
+
+def _run_hand_written(
+    train_func: Any,
+    storage: str,
+    name: str,
+    epochs: int,
+    max_steps: int,
+    every: int,
+    extra: dict[str, Any],
+    datasets: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One hand-written loop under Ray Train's `TorchTrainer`, W = 2, with the shared settings; its timestamps."""
     from ray.train import CheckpointConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
-
-    from raytrain.toy import regression_dataset
 
     times_path = os.path.join(storage, f"{name}-times.jsonl")
     config = {
@@ -254,13 +244,13 @@ def run_plain(storage: str, name: str, rows: int, epochs: int, max_steps: int, e
         "epochs": epochs,
         "seed": SEED,
         "lr": LR,
-        "shuffle_buffer": SHUFFLE_BUFFER,
         "times_path": times_path,
+        **extra,
     }
     trainer = TorchTrainer(
-        plain_train_func,
+        train_func,
         train_loop_config=config,
-        datasets={"train": regression_dataset(rows, FEATURES, seed=SEED)},
+        datasets=datasets,
         scaling_config=ScalingConfig(num_workers=WORKERS),
         run_config=RunConfig(
             name=name,
