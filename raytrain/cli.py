@@ -182,7 +182,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--events",
         default="remove@20,add@60",
-        help="KIND@STEP,... with KIND remove|add|kill, or none (default %(default)s)",
+        help="KIND@STEP,... with KIND remove|add|kill|drain (drain: announce the removal 8 s ahead, then remove), "
+        "or none (default %(default)s)",
     )
     p.add_argument(
         "--faults",

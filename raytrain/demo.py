@@ -25,7 +25,8 @@ from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, read_jsonl
 from raytrain.run_lock import run_lock
 
-EVENT_KINDS = ("remove", "add", "kill")
+EVENT_KINDS = ("remove", "add", "kill", "drain")
+DRAIN_DEADLINE_S = 8.0  # a drain announces the node's removal this long ahead (clouds give 30 s to 2 min)
 WORKER_SLOT = "worker_slot"
 
 
@@ -178,13 +179,23 @@ class FakeCluster:
         self.worker_nodes.append(node)
         return f"added node {node.node_id[:8]}"
 
-    def remove_node(self) -> str:
-        """Kill the most recently added fake node (as a spot reclaim would: no grace period)."""
+    def remove_node(self, node: Any = None) -> str:
+        """Kill `node` (default: the most recently added fake node), as a spot reclaim would: no grace period."""
         if not self.worker_nodes:
             return "no fake node left to remove"
-        node = self.worker_nodes.pop()
+        node = node if node is not None else self.worker_nodes[-1]
+        self.worker_nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
         return f"removed node {node.node_id[:8]}"
+
+    def drain_node(self, deadline_s: float) -> tuple[str, Any]:
+        """Announce the removal of the most recently added node in `deadline_s` seconds (a spot notice); returns
+        a description and the node, which the caller removes at the deadline."""
+        from raytrain.ray_hooks import drain_node
+
+        node = self.worker_nodes[-1]
+        drain_node(self.address, node.node_id, deadline_s)
+        return f"drain of node {node.node_id[:8]} announced, removal in {deadline_s:.0f} s", node
 
     def shutdown(self) -> None:
         """Stop every node of the cluster."""
@@ -202,6 +213,7 @@ class EventDriver:
         self.run_dir, self.cluster = run_dir, cluster
         self.applied: list[AppliedEvent] = []
         self.skipped: list[str] = []
+        self.timed: list[tuple[float, Any]] = []  # (when, node): a drained node is removed at its deadline
 
     def _apply(self, event: Event, step: int) -> None:
         detail: str
@@ -216,6 +228,9 @@ class EventDriver:
         elif self.cluster is None:
             self.skipped.append(f"{event.kind}@{event.step}: needs the demo's own fake-node cluster")
             return
+        elif event.kind == "drain":
+            detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S)
+            self.timed.append((time.time() + DRAIN_DEADLINE_S, node))
         else:
             detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
         self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
@@ -243,14 +258,22 @@ class EventDriver:
         while training.is_alive():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"demo training did not finish within {timeout_s:.0f} s")
+            self._note_recoveries()
             lines = read_jsonl(metrics_path)
+            starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
             step = lines[-1]["step"] if lines else 0
             for applied in self.applied:
-                if applied.recovered_time is None:
-                    applied.peak_step = max(applied.peak_step, step)
-            self._note_recoveries()
+                if applied.recovered_time is None:  # a step of the next worker group is not a step the old one lost
+                    restart = next((s["time"] for s in starts if s["time"] > applied.time), float("inf"))
+                    before = [m["step"] for m in lines if m["time"] < restart]
+                    applied.peak_step = max(applied.peak_step, before[-1] if before else 0)
             if self.pending and step >= self.pending[0].step:
                 self._apply(self.pending.pop(0), step)
+            for when, node in [t for t in self.timed if t[0] <= time.time()]:
+                self.timed.remove((when, node))
+                assert self.cluster is not None
+                detail = self.cluster.remove_node(node)
+                print(f"[raytrain demo] drain deadline: {detail}", file=output(), flush=True)
             training.join(timeout=0.1)
         self._note_recoveries()
 

@@ -7,6 +7,8 @@ loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to t
 
     StopRepeatedUserErrors   end the run when the same marked exception recurs at the same step (a bug)
     RunLog                   one line in <run>/raytrain.log per restart, resize or failure of the worker group
+    preemption_deadline_ms   in a worker: the drain Ray Train's preemption watcher announced for its node
+    drain_node               ask the GCS to drain a node with a deadline (what a cloud's spot notice becomes)
 """
 
 from __future__ import annotations
@@ -139,3 +141,32 @@ class RunLog(ControllerCallback):
         else:
             return
         append_line(self.run_dir, f"[raytrain] {line}")
+
+
+def preemption_deadline_ms() -> int | None:
+    """In a training worker: None, or the deadline (UNIX ms; 0 when unknown) of a drain that Ray Train's preemption
+    watcher announced for a node of this worker group. Local: it does not synchronise the workers (which
+    `ray.train.get_preemption_info` does, through an actor round trip); the loop all-reduces it itself."""
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    info = get_train_context().preemption_context.preemption_info
+    return None if info is None else int(info.deadline_ms or 0)
+
+
+def drain_node(gcs_address: str, node_id_hex: str, deadline_s: float, message: str = "raytrain demo") -> None:
+    """Announce that a node will go away in `deadline_s` seconds, as a cloud's preemption notice does through
+    the autoscaler (GCS `DrainNode` with reason PREEMPTION). It does not stop the node: the caller removes it."""
+    import time
+
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = int(time.time() * 1000 + deadline_s * 1000)
+    accepted, why = GcsClient(address=gcs_address).drain_node(
+        node_id_hex,
+        autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),  # type: ignore[attr-defined]
+        message,
+        deadline_ms,
+    )
+    if not accepted:
+        raise RuntimeError(f"the drain of node {node_id_hex[:8]} was not accepted: {why}")

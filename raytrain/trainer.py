@@ -43,6 +43,7 @@ RAY_ENV_DEFAULTS = {
     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # otherwise every print in a worker appears twice
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",  # report() blocks about this long; failures are seen this fast
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",  # a start on a stale view of the cluster fails in 15 s, not 60
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",  # a drain notice reaches the workers within a second, not five
 }
 
 

@@ -22,7 +22,7 @@ from raytrain import faults
 from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from raytrain.checkpoint_files import checkpoint_dirs, read_step, remove_uncommitted, verify
-from raytrain.collectives import all_gather_objects, all_reduce_sum
+from raytrain.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
@@ -39,6 +39,7 @@ from raytrain.parallelize import (
     step_policy,
 )
 from raytrain.rank0 import Rank0Log
+from raytrain.ray_hooks import preemption_deadline_ms
 from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
 
@@ -527,6 +528,12 @@ def _train(run: Run) -> None:
         run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
         if checkpoint_now:
             committed = _commit(run, metrics)
+        deadline = _drain_deadline()
+        if deadline is not None:  # a node of the group is being drained: save now, train nothing to be lost
+            if state.step != committed:
+                _validate(run, metrics)
+                committed = _commit(run, metrics)
+            _wait_for_the_drain(run, deadline)
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _validate(run, metrics)
         _commit(run, metrics)
@@ -535,6 +542,30 @@ def _train(run: Run) -> None:
     else:
         run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
     run.log.close()
+
+
+DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on
+
+
+def _drain_deadline() -> float | None:
+    """The deadline (UNIX seconds; 0 when unknown) of a drain announced for a node of this worker group, agreed by
+    every rank after every step (collective: one tiny all-reduce), or None."""
+    local = preemption_deadline_ms()
+    agreed = all_reduce_max(-1.0 if local is None else local / 1000)
+    return None if agreed < 0 else agreed
+
+
+def _wait_for_the_drain(run: Run, deadline: float) -> None:
+    """After the just-in-time checkpoint: train nothing that the restart would roll back. Ray Train tears the
+    group down at the deadline and restarts at the size that remains, from this checkpoint: no step is lost. If
+    nothing happens for `DRAIN_PATIENCE_S` past the deadline (a cancelled drain), training goes on."""
+    now = time.time()
+    give_up = max(deadline, now) + DRAIN_PATIENCE_S
+    left = f"in {deadline - now:.0f} s" if deadline else "without a deadline"
+    run.log.print(f"a node is being drained ({left}): checkpoint at step {run.state.step} committed; waiting")
+    while time.time() < give_up:
+        time.sleep(0.2)
+    run.log.print("the drain did not happen; training goes on")
 
 
 def _memory_advice(run: Run, error: BaseException) -> str:
