@@ -182,9 +182,7 @@ def main() -> None:
     # The LR is fitted to the global batch, never to the world size: 4e-3 is right at 32 windows per step
     # ("sqrt" rescales it if --global-batch changes), reached after 10 steps of linear warmup, then a cosine
     # decay to a tenth of it over the run's steps.
-    lr = LRConfig(
-        base_lr=4e-3, base_batch=32, rule="sqrt", warmup_steps=10, schedule="cosine", min_lr_ratio=0.1
-    )
+    lr = LRConfig(base_lr=4e-3, base_batch=32, rule="sqrt", warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
     loop = LoopConfig(
         epochs=math.ceil(args.steps / math.ceil(windows / args.global_batch)),
         max_steps=args.steps,

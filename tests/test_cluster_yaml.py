@@ -335,3 +335,12 @@ def test_provider_settings(config: dict[str, Any]) -> None:
     assert config["auth"]["ssh_user"] == "ubuntu"
     assert config["idle_timeout_minutes"] >= 1, "shorter than a worker-group restart could give nodes back mid-run"
     assert config["upscaling_speed"] > 0
+
+
+def test_workers_run_the_spot_watcher_after_ray_start(config: dict[str, Any]) -> None:
+    commands = config["worker_start_ray_commands"]
+    start = next(i for i, c in enumerate(commands) if "ray start" in c)
+    watchers = [i for i, c in enumerate(commands) if "raytrain.spot_watch" in c]
+    assert watchers and watchers[0] > start, "start the spot watcher once the node has joined"
+    watcher = commands[watchers[0]]
+    assert "--address=$RAY_HEAD_IP:6379" in watcher and watcher.rstrip().endswith("&"), watcher

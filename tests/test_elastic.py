@@ -15,6 +15,7 @@ from ray_helpers import assert_same_curve, check_invariants, demo
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
+
 def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed_size_losses: list[float]) -> None:
     # 0.02 s of simulated compute per sample: the grow (seen at Ray's next 20 s resource refresh) lands mid-run.
     summary = demo(
@@ -43,6 +44,35 @@ def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed
     assert any(line.startswith("[raytrain] cluster changed: restarting the worker group at 3") for line in lines)
     assert len(lines) <= 80, f"{len(lines)} lines for a 160-step run with two events"
     assert removed["steps_lost"] <= 5 and added["steps_lost"] <= 5  # never more than one checkpoint interval
+
+
+def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[float]) -> None:
+    # A drain (a spot notice, a scale-down) announces the node's removal 8 s ahead: the workers commit a checkpoint
+    # after the step they are in and train nothing more, so the group restarts at 2 from exactly that step.
+    summary = demo(
+        tmp_path,
+        "drain",
+        "--nodes",
+        "3",
+        "--workers",
+        "2:3",
+        "--events",
+        "drain@8",
+        "--steps",
+        "40",
+        "--sample-time",
+        "0.01",
+        "--checkpoint-every",
+        "5",
+    )
+    assert summary["world_sizes"] == [3, 2]
+    check_invariants(summary, 40)
+    assert_same_curve(summary, fixed_size_losses)
+    (drained,) = summary["events"]
+    assert drained["recovered_world_size"] == 2
+    assert drained["steps_lost"] == 0, f"a drained node retrained {drained['steps_lost']} steps"
+    lines = summary["stderr"].splitlines()
+    assert any("drain" in line for line in lines if line.startswith("[raytrain]")), summary["stderr"]
 
 
 def test_sigkill_of_a_worker_restarts_at_the_same_size(tmp_path: Path, fixed_size_losses: list[float]) -> None:
