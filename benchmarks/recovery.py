@@ -1,18 +1,25 @@
-"""python benchmarks/recovery.py [--storage DIR]
+"""python benchmarks/recovery.py [--storage DIR] [--quick]
 
-Recovery after membership events on a local cluster of fake nodes (`raytrain demo`), beside Ray Train's bare
-worker-group start and restart measured in the same run:
+Recovery after membership events on a local cluster of fake nodes (`raytrain demo`), and the cost of
+checkpoints, beside Ray Train's bare worker-group start and restart measured in the same run:
 
     event           seconds from the event to the first step finished by the next worker group,
                     and steps that had to be trained again (work lost since the last checkpoint)
     remove          a node with a worker is killed (no grace period), training must go on at W-1
     kill            one training worker process is SIGKILLed, the same size comes back
     add             a node is added, training must go on at W+1
+    drain           a node is drained with an 8 s deadline (a spot notice), then removed at the deadline;
+                    seconds counted from the removal
     bare start      TorchTrainer.fit() -> train_func entered, trivial train_func
     bare restart    SIGKILL of a worker in a trivial train_func -> train_func entered again
+    checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
+                    the extra wall time of steps 11-60 over the run without (`checkpoint_overhead_fraction`)
 
-Prints a table, then one JSON line with the headline figures. Ray settings: raytrain's defaults
-(`raytrain.trainer.RAY_ENV_DEFAULTS`), resize monitor interval 1 s, checkpoint every 4 steps.
+Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
+the next group: failure detection, teardown, placement, worker start, process group), raytrain's start (model
+build + wrap, checkpoint load, data), and the first step. Prints tables, then one JSON line with the headline
+figures and whether each goal of issue 13 is met. Ray settings: raytrain's defaults
+(`raytrain.trainer.RAY_ENV_DEFAULTS`), resize monitor interval 1 s.
 """
 
 from __future__ import annotations
@@ -27,38 +34,69 @@ import tempfile
 import time
 from typing import Any
 
+from _common import machine_line, median, print_headline, read_jsonl, table
+
+EVENT_RUN = ["--nodes", "3", "--workers", "2:3", "--steps", "40", "--sample-time", "0.01", "--checkpoint-every", "4"]
+ADD_RUN = ["--nodes", "2", "--workers", "2:3", "--steps", "100", "--sample-time", "0.02", "--checkpoint-every", "4"]
 SCENARIOS = {
-    "remove": ["--nodes", "3", "--workers", "2:3", "--events", "remove@10", "--steps", "40", "--sample-time", "0.01"],
-    "kill": ["--nodes", "3", "--workers", "2:3", "--events", "kill@10", "--steps", "40", "--sample-time", "0.01"],
-    "add": ["--nodes", "2", "--workers", "2:3", "--events", "add@6", "--steps", "150", "--sample-time", "0.02"],
+    "remove": [*EVENT_RUN, "--events", "remove@10"],
+    "kill": [*EVENT_RUN, "--events", "kill@10"],
+    "add": [*ADD_RUN, "--events", "add@6"],
+    "drain": [*EVENT_RUN, "--events", "drain@10"],
 }
+FIXED_RUN = ["--nodes", "3", "--workers", "3", "--events", "none", "--steps", "60", "--sample-time", "0.01"]
+MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
 
 
-def run_scenario(name: str, storage: str) -> dict[str, Any]:
-    """One `raytrain demo --json` run; returns its single event record."""
-    command = [
-        sys.executable,
-        "-m",
-        "raytrain.cli",
-        "demo",
-        "--json",
-        "--storage",
-        storage,
-        "--run-name",
-        name,
-        "--global-batch",
-        "24",
-        "--micro-batch",
-        "4",
-        "--checkpoint-every",
-        "4",
-        *SCENARIOS[name],
-    ]
+def demo(name: str, storage: str, args: list[str]) -> dict[str, Any]:
+    """One `raytrain demo --json` run; its summary."""
+    command = [sys.executable, "-m", "raytrain.cli", "demo", "--json", "--storage", storage, "--run-name", name]
+    command += ["--global-batch", "24", "--micro-batch", "4", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"{name}: demo failed\n{done.stderr[-3000:]}")
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
-    return {**summary["events"][0], "world_sizes": summary["world_sizes"]}
+    summary: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    summary["run_dir"] = os.path.join(storage, name)
+    return summary
+
+
+def recovery(name: str, storage: str) -> dict[str, Any]:
+    """The scenario's event, its recovery time and the phases of the recovery."""
+    summary = demo(name, storage, SCENARIOS[name])
+    (event,) = summary["events"]
+    since = event["node_gone_time"] if name == "drain" else event["time"]
+    starts = read_jsonl(os.path.join(summary["run_dir"], "events.jsonl"))
+    start = next(s for s in starts if s["time"] > event["time"])
+    return {
+        "name": name,
+        "world_sizes": summary["world_sizes"],
+        "recovery_s": event["recovered_time"] - since,
+        "steps_lost": event["steps_lost"],
+        "ray_s": start["entered"] - since,
+        "raytrain_start_s": start["time"] - start["entered"],
+        "phases_s": start["phases_s"],
+        "first_step_s": event["recovered_time"] - start["time"],
+        "detail": event["detail"],
+    }
+
+
+def run_wall(name: str, storage: str, every: int) -> float:
+    """Wall seconds from the end of step 10 to the end of step 60 of a fixed 3-worker run."""
+    summary = demo(name, storage, [*FIXED_RUN, "--checkpoint-every", str(every)])
+    times = [m["time"] for m in read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl"))]
+    return times[59] - times[9]
+
+
+def checkpoint_overhead(storage: str, reps: int) -> dict[str, Any]:
+    """Extra wall time of checkpointing every 5 steps, as a fraction of the same run without checkpoints
+    (runs alternated; the median of the per-pair fractions)."""
+    pairs = []
+    for rep in range(reps):
+        with_checkpoints = run_wall(f"ckpt5_{rep}", storage, 5)
+        without = run_wall(f"ckpt_none_{rep}", storage, 10**6)
+        pairs.append((with_checkpoints, without))
+    fractions = [(a - b) / b for a, b in pairs]
+    return {"pairs_s": pairs, "fraction": median(fractions)}
 
 
 def _bare_train_func(config: dict[str, Any]) -> None:
@@ -112,27 +150,62 @@ def bare_ray_train(storage: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
+    parser.add_argument("--quick", action="store_true", help="one checkpoint-cost pair instead of three")
     args = parser.parse_args()
     storage = args.storage or tempfile.mkdtemp(prefix="raytrain-recovery-")
-    rows = {name: run_scenario(name, storage) for name in SCENARIOS}
+    print(machine_line(), flush=True)
+    rows = {name: recovery(name, storage) for name in SCENARIOS}
     bare = bare_ray_train(storage)
+    costs = checkpoint_overhead(storage, 1 if args.quick else 3)
 
-    print(f"{'event':<14} {'world':>9} {'recovery s':>11} {'steps lost':>11}  detail")
-    for name, row in rows.items():
-        world = " -> ".join(str(w) for w in row["world_sizes"])
-        recovery = f"{row['recovery_s']:.1f}" if row["recovery_s"] is not None else "n/a"
-        print(f"{name:<14} {world:>9} {recovery:>11} {row['steps_lost']!s:>11}  {row['detail']}")
-    print(f"{'bare start':<14} {'3':>9} {bare['start_s']:>11.1f} {'-':>11}  TorchTrainer.fit() -> train_func entered")
-    print(f"{'bare restart':<14} {'3 -> 3':>9} {bare['restart_s']:>11.1f} {'-':>11}  SIGKILL -> train_func again")
+    print(
+        table(
+            ["event", "world", "recovery s", "steps lost", "Ray s", "raytrain start s", "first step s", "detail"],
+            [
+                [
+                    name,
+                    " -> ".join(str(w) for w in row["world_sizes"]),
+                    f"{row['recovery_s']:.1f}",
+                    row["steps_lost"],
+                    f"{row['ray_s']:.1f}",
+                    f"{row['raytrain_start_s']:.2f} ("
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_s"].items())
+                    + ")",
+                    f"{row['first_step_s']:.2f}",
+                    row["detail"],
+                ]
+                for name, row in rows.items()
+            ]
+            + [
+                ["bare start", "3", f"{bare['start_s']:.1f}", "-", "", "", "", "TorchTrainer.fit() -> train_func"],
+                ["bare restart", "3 -> 3", f"{bare['restart_s']:.1f}", "-", "", "", "", "SIGKILL -> train_func"],
+            ],
+        )
+    )
+    print(
+        table(
+            ["checkpoints", "steps 11-60 with (s)", "without (s)"],
+            [[f"pair {i + 1}", f"{a:.3f}", f"{b:.3f}"] for i, (a, b) in enumerate(costs["pairs_s"])],
+        )
+    )
     headline = {
-        "node_loss_recovery_s": rows["remove"]["recovery_s"],
-        "sigkill_recovery_s": rows["kill"]["recovery_s"],
-        "node_add_recovery_s": rows["add"]["recovery_s"],
-        "max_steps_lost": max(r["steps_lost"] or 0 for r in rows.values()),
+        "node_loss_s": round(rows["remove"]["recovery_s"], 2),
+        "sigkill_s": round(rows["kill"]["recovery_s"], 2),
+        "node_add_s": round(rows["add"]["recovery_s"], 2),
+        "drain_s": round(rows["drain"]["recovery_s"], 2),
+        "drain_steps_retrained": rows["drain"]["steps_lost"],
+        "bare_sigkill_s": round(bare["restart_s"], 2),
         "bare_start_s": round(bare["start_s"], 2),
-        "bare_restart_s": round(bare["restart_s"], 2),
+        "checkpoint_overhead_fraction": round(costs["fraction"], 4),
     }
-    print(json.dumps(headline))
+    headline["goals_met"] = {
+        "drain_steps_retrained": headline["drain_steps_retrained"] == 0,
+        "sigkill_s": headline["sigkill_s"] <= headline["bare_sigkill_s"] + 3,
+        "node_loss_s": headline["node_loss_s"] <= headline["bare_sigkill_s"] + 5,
+        "node_add_s": headline["node_add_s"] <= MONITOR_INTERVAL_S + headline["bare_start_s"] + 3,
+        "checkpoint_overhead_fraction": headline["checkpoint_overhead_fraction"] <= 0.05,
+    }
+    print_headline(headline)
     return 0
 
 

@@ -224,8 +224,9 @@ class CheckpointConfig:
         every_steps: commit a checkpoint every this many optimizer steps, and always at the end (>= 1). At most
             this many steps of work are lost to a failure.
         keep: checkpoints kept (>= 1); older ones are deleted by Ray Train.
-        wait_for_commit: after each checkpoint, block until Ray has committed it, so a restart always restores
-            the latest one (costs a few seconds per checkpoint).
+        wait_for_commit: have every checkpoint committed by Ray before the next one is written, before a drained
+            node is let go and at the end (a background wait; training goes on meanwhile). A failure while the
+            latest checkpoint commits (well under a second) restores the one before it. False: never wait.
     """
 
     storage_path: str = "raytrain_runs"

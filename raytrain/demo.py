@@ -140,6 +140,7 @@ class AppliedEvent:
     recovered_world_size: int | None = None
     restored_step: int | None = None  # the checkpoint step the next worker group resumed from
     peak_step: int = 0  # the furthest step trained between the event and the restart
+    node_gone_time: float | None = None  # a drain: when the node was removed (its deadline)
 
     @property
     def steps_lost(self) -> int | None:
@@ -160,9 +161,15 @@ class FakeCluster:
     def __init__(self, nodes: int, head_cpus: int = 2) -> None:
         from ray.cluster_utils import Cluster
 
+        from raytrain.ray_hooks import FAST_NODE_DEATH
+
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": head_cpus, "include_dashboard": False},
+            head_node_args={
+                "num_cpus": head_cpus,
+                "include_dashboard": False,
+                "_system_config": FAST_NODE_DEATH,  # a removed node is marked dead in seconds, as cluster.yaml sets
+            },
         )
         self.worker_nodes: list[Any] = []
         for _ in range(nodes):
@@ -213,7 +220,7 @@ class EventDriver:
         self.run_dir, self.cluster = run_dir, cluster
         self.applied: list[AppliedEvent] = []
         self.skipped: list[str] = []
-        self.timed: list[tuple[float, Any]] = []  # (when, node): a drained node is removed at its deadline
+        self.timed: list[tuple[float, Any, AppliedEvent]] = []  # a drained node is removed at its deadline
 
     def _apply(self, event: Event, step: int) -> None:
         detail: str
@@ -230,10 +237,13 @@ class EventDriver:
             return
         elif event.kind == "drain":
             detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S)
-            self.timed.append((time.time() + DRAIN_DEADLINE_S, node))
+            applied = AppliedEvent(event.kind, event.step, step, time.time(), detail)
+            self.timed.append((applied.time + DRAIN_DEADLINE_S, node, applied))
+            self.applied.append(applied)
         else:
             detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
-        self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
+        if event.kind != "drain":
+            self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
         print(f"[raytrain demo] step {step}: {event.kind}: {detail}", file=output(), flush=True)
 
     def _note_recoveries(self) -> None:
@@ -269,10 +279,11 @@ class EventDriver:
                     applied.peak_step = max(applied.peak_step, before[-1] if before else 0)
             if self.pending and step >= self.pending[0].step:
                 self._apply(self.pending.pop(0), step)
-            for when, node in [t for t in self.timed if t[0] <= time.time()]:
-                self.timed.remove((when, node))
+            for due in [t for t in self.timed if t[0] <= time.time()]:
+                self.timed.remove(due)
                 assert self.cluster is not None
-                detail = self.cluster.remove_node(node)
+                detail = self.cluster.remove_node(due[1])
+                due[2].node_gone_time = time.time()
                 print(f"[raytrain demo] drain deadline: {detail}", file=output(), flush=True)
             training.join(timeout=0.1)
         self._note_recoveries()

@@ -7,6 +7,8 @@ loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to t
 
     StopRepeatedUserErrors   end the run when the same marked exception recurs at the same step (a bug)
     RunLog                   one line in <run>/raytrain.log per restart, resize or failure of the worker group
+    RefreshClusterView       after a failure, wait until a node found unreachable is marked dead, then refresh the
+                             elastic policy's view of the cluster, so the first restart uses the size that fits now
     preemption_deadline_ms   in a worker: the drain Ray Train's preemption watcher announced for its node
     drain_node               ask the GCS to drain a node with a deadline (what a cloud's spot notice becomes)
 """
@@ -141,6 +143,115 @@ class RunLog(ControllerCallback):
         else:
             return
         append_line(self.run_dir, f"[raytrain] {line}")
+
+
+NODE_DEATH_PATIENCE_S = 60.0  # the longest wait for the GCS to mark an unreachable node dead
+FAST_NODE_DEATH = {  # GCS settings for clusters raytrain starts: an unreachable node is marked dead in ~3-5 s
+    "health_check_initial_delay_ms": 2000,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 2000,
+    "health_check_failure_threshold": 4,
+}
+
+
+class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
+    """Runs in the Ray Train controller and makes the first restart after a node loss use the size the cluster can
+    hold now. Ray Train's elastic policy sees the cluster through the autoscaling coordinator, which re-reads the
+    node list every 20 s; right after a node dies it still counts that node, schedules the old size and waits for
+    the worker-group start timeout before trying the right one. Before each failure decision this callback probes
+    the raylet of every node whose worker failed; for a node that does not answer it waits (at most
+    `NODE_DEATH_PATIENCE_S`) until the GCS marks it dead, then has the coordinator recompute its view. While the
+    group runs it compares the set of alive nodes every `monitor_interval_s` and refreshes the view when a node
+    has joined or left, so a grow is seen at the next resize check instead of the coordinator's next tick."""
+
+    def __init__(self, run_dir: str, monitor_interval_s: float) -> None:
+        self.run_dir = run_dir
+        self.monitor_interval_s = monitor_interval_s
+        self._node_of_rank: dict[int, str] = {}
+        self._failed_nodes: set[str] = set()
+        self._alive_nodes: frozenset[str] | None = None
+        self._checked_at = float("-inf")
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        """Remember which node each rank runs on."""
+        self._node_of_rank = {
+            worker.distributed_context.world_rank: worker.metadata.node_id for worker in worker_group.get_workers()
+        }
+        self._failed_nodes.clear()
+
+    def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
+        """Collect the nodes of the ranks that failed; refresh the view when the set of alive nodes changed."""
+        import time
+
+        import ray
+
+        for rank in worker_group_status.errors:
+            if rank in self._node_of_rank:
+                self._failed_nodes.add(self._node_of_rank[rank])
+        if worker_group_status.errors or time.monotonic() - self._checked_at < self.monitor_interval_s:
+            return
+        self._checked_at = time.monotonic()
+        alive = frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
+        if self._alive_nodes is not None and alive != self._alive_nodes:
+            refresh_cluster_view()
+        self._alive_nodes = alive
+
+    def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
+        """Wait for the unreachable nodes to be marked dead, then refresh the coordinator's view."""
+        import time
+
+        started = time.monotonic()
+        gone = [node for node in sorted(self._failed_nodes) if not _raylet_answers(node)]
+        self._failed_nodes.clear()
+        while gone and any(_alive(node) for node in gone) and time.monotonic() - started < NODE_DEATH_PATIENCE_S:
+            time.sleep(0.2)
+        if gone:
+            waited = time.monotonic() - started
+            names = ", ".join(node[:8] for node in gone)
+            append_line(self.run_dir, f"[raytrain] node {names} lost (marked dead after {waited:.1f} s)")
+        refresh_cluster_view()
+
+
+def _node_record(node_id: str) -> dict[str, Any] | None:
+    import ray
+
+    return next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+
+
+def _alive(node_id: str) -> bool:
+    record = _node_record(node_id)
+    return bool(record and record["Alive"])
+
+
+def _raylet_answers(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of `node_id` accepts a TCP connection (a crashed worker's node does; a lost one not)."""
+    import socket
+
+    record = _node_record(node_id)
+    if record is None or not record["Alive"]:
+        return False
+    try:
+        with socket.create_connection((record["NodeManagerAddress"], record["NodeManagerPort"]), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def refresh_cluster_view() -> None:
+    """Have Ray's autoscaling coordinator (the elastic policy's view of the cluster) re-read the nodes now instead
+    of at its next 20 s tick. Best effort: a failure leaves the old view, which corrects itself at that tick."""
+    import logging
+
+    import ray
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    try:
+        coordinator = get_or_create_autoscaling_coordinator()
+        ray.get(coordinator.get_reserved_resources.remote("raytrain-refresh", recompute=True), timeout=10)
+    except Exception as err:  # the next tick corrects the view
+        logging.getLogger(__name__).warning("could not refresh the cluster view: %s", err)
 
 
 def preemption_deadline_ms() -> int | None:

@@ -367,7 +367,7 @@ class ElasticTrainer:
         from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data import IndexedData, check_columns, check_numeric_columns, steps_per_epoch
-        from raytrain.ray_hooks import RunLog, StopRepeatedUserErrors
+        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
@@ -400,6 +400,8 @@ class ElasticTrainer:
             if cluster.min_workers == cluster.max_workers
             else (cluster.min_workers, cluster.max_workers)
         )
+        view = RefreshClusterView(run_dir, cluster.resize_monitor_interval_s)
+        hooks = [StopRepeatedUserErrors(), RunLog(run_dir), view]
         trainer = TorchTrainer(
             train_loop_per_worker,
             train_loop_config={"job": job},
@@ -417,7 +419,7 @@ class ElasticTrainer:
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
                 worker_runtime_env={"env_vars": worker_env()},
-                callbacks=[StopRepeatedUserErrors(), RunLog(run_dir)],  # type: ignore[list-item]  # V2; V1 stubs
+                callbacks=hooks,  # type: ignore[arg-type]  # V2 callbacks; V1 stubs
             ),
         )
         tail = RunLogTail(run_dir).start() if is_quiet() else None

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -203,6 +204,7 @@ class Run:
     state: TrainState
     restored: bool
     total_steps: int | None  # the run's length in steps, when known (deterministic mode, or max_steps)
+    commit: PendingCommit = field(default_factory=lambda: PendingCommit())
 
     @property
     def spec(self) -> TrainSpec:
@@ -321,6 +323,7 @@ def start_run(job: WorkerJob) -> Run:
     """Everything a worker-group (re)start does before its first step (collective: every rank calls it)."""
     import ray.train
 
+    entered = time.time()
     spec = job.spec
     context = ray.train.get_context()
     world, rank = context.get_world_size(), context.get_world_rank()
@@ -332,6 +335,7 @@ def start_run(job: WorkerJob) -> Run:
     global_batch = spec.batch.global_batch
     faults.arm(job.run_dir, rank, world)
 
+    began = time.perf_counter()
     model = build_model(job)
     parallel = spec.parallel
     layout = resolve_layout(
@@ -365,7 +369,9 @@ def start_run(job: WorkerJob) -> Run:
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
+    built = time.perf_counter()
     state, consumed, restored = _restore(model, optimizer, job.run_dir, log)
+    loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:
         scaler.load_state_dict(state.loss_scale)
 
@@ -405,6 +411,7 @@ def start_run(job: WorkerJob) -> Run:
         total_steps=_total_steps(spec, source, state),
     )
     log.total_steps = run.total_steps
+    phases = {"model": built - began, "restore": loaded - built, "data": time.perf_counter() - loaded}
     log.start(
         restored_step=state.step,
         event={
@@ -415,6 +422,8 @@ def start_run(job: WorkerJob) -> Run:
             "strategy": strategy,
             "restored": restored,
             "pids": all_gather_objects(os.getpid()),  # lets a test or the demo SIGKILL a worker
+            "entered": entered,  # rank 0 entered the training function (UNIX time)
+            "phases_s": {name: round(seconds, 4) for name, seconds in phases.items()},  # rank 0's start work
         },
     )
     return run
@@ -533,10 +542,12 @@ def _train(run: Run) -> None:
             if state.step != committed:
                 _validate(run, metrics)
                 committed = _commit(run, metrics)
+            run.commit.wait()
             _wait_for_the_drain(run, deadline)
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _validate(run, metrics)
         _commit(run, metrics)
+    run.commit.wait()
     if metrics:
         run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:
@@ -589,18 +600,53 @@ def _validate(run: Run, metrics: dict[str, Any]) -> None:
         )
 
 
-def _report(metrics: dict[str, Any], directory: str, wait_for_commit: bool) -> None:
+class PendingCommit:
+    """Waits, in a background thread, until Ray has committed the checkpoints reported so far, so training goes
+    on while the controller registers the latest one. `wait` joins it: called before the next checkpoint is
+    written, before a drain is waited out and at the end, so no checkpoint is written, and no worker group is
+    left, while an earlier one is still uncommitted."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        """Begin waiting for the checkpoints reported so far (after `ray.train.report`)."""
+        import ray.train
+        from ray.train import CheckpointConsistencyMode
+
+        def wait_for_ray() -> None:
+            try:
+                ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+            except BaseException as err:  # re-raised on the training thread by `wait`
+                self._error = err
+
+        self.wait()
+        self._thread = threading.Thread(target=wait_for_ray, name="raytrain-commit", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the checkpoints reported so far are committed; raise what the wait raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def _report(run: Run, metrics: dict[str, Any], directory: str) -> None:
     """Every rank reports (a barrier) with its checkpoint shard directory; Ray merges them into one checkpoint."""
     import ray.train
-    from ray.train import Checkpoint, CheckpointConsistencyMode
+    from ray.train import Checkpoint
 
     ray.train.report(
         metrics, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
     )
     fault_point("report")
-    if wait_for_commit:
+    if run.spec.checkpoint.wait_for_commit:
         # Without this, a restart right after a report often restores the previous checkpoint.
-        ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+        run.commit.start()
 
 
 def _commit(run: Run, metrics: dict[str, Any]) -> int:
@@ -614,7 +660,8 @@ def _commit(run: Run, metrics: dict[str, Any]) -> int:
     )
     state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
+    run.commit.wait()  # the previous checkpoint is committed before this one is written
     directory = save_checkpoint(run.model, run.optimizer, state, run.rank, run.source.consumed_ids())
     fault_point("checkpoint")
-    _report(metrics, directory, spec.checkpoint.wait_for_commit)
+    _report(run, metrics, directory)
     return state.step
