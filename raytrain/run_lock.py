@@ -23,7 +23,10 @@ _held: dict[str, int] = {}  # run directory -> how many times this process holds
 
 @contextlib.contextmanager
 def run_lock(run_dir: str) -> Iterator[None]:
-    """Hold the run's lock for the block; `ConfigError` when another process holds it."""
+    """Hold the run's lock for the block; `ConfigError` when another process holds it.
+
+    Directories it had to create for the lock are removed again when the block wrote nothing else into them, so
+    a run refused before any worker started (a bad config, bad data) leaves no trace in the storage path."""
     run_dir = os.path.abspath(run_dir)
     if _held.get(run_dir):
         _held[run_dir] += 1
@@ -32,6 +35,7 @@ def run_lock(run_dir: str) -> Iterator[None]:
         finally:
             _held[run_dir] -= 1
         return
+    created = _missing_dirs(run_dir)
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, LOCK_FILE)
     handle = open(path, "a+")  # noqa: SIM115  # held open for the whole block: the lock lives as long as the file
@@ -54,6 +58,27 @@ def run_lock(run_dir: str) -> Iterator[None]:
             yield
         finally:
             _held.pop(run_dir, None)
+            if created and os.listdir(run_dir) == [LOCK_FILE]:
+                _remove_unused(path, created)  # still locked: nobody can take a lock file about to go
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
     finally:
         handle.close()
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The directories `os.makedirs(path)` would create, deepest first."""
+    missing = []
+    while not os.path.exists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def _remove_unused(lock_path: str, created: list[str]) -> None:
+    """Remove the lock file and the directories created for it (deepest first) while they are empty."""
+    try:
+        os.unlink(lock_path)
+        for path in created:
+            os.rmdir(path)  # OSError when something else appeared in it: then it stays
+    except OSError:
+        pass

@@ -10,19 +10,40 @@ import pytest
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-@pytest.fixture(scope="session")
+_LOCAL: dict[str, str] = {}  # the GCS address of the shared local instance this process started
+
+
+@pytest.fixture
 def ray_local() -> Iterator[None]:
-    """A local Ray instance with 4 logical CPUs (room for 3 workers and Ray Data on a 2-core machine)."""
+    """A local Ray instance with 4 logical CPUs (room for 3 workers and Ray Data on a 2-core machine), shared by
+    the Ray tests of a session. Started again when a test left it (one that connects to a cluster of its own
+    must `ray.shutdown()` first, see `no_ray_connection`); Ray's exit hook shuts it down with the session."""
     import ray
 
     from raytrain.trainer import apply_ray_env_defaults
 
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address == _LOCAL.get("address"):
+        yield
+        return
     if ray.is_initialized():
         ray.shutdown()
     apply_ray_env_defaults()
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    _LOCAL["address"] = ray.get_runtime_context().gcs_address
     yield
-    ray.shutdown()
+
+
+@pytest.fixture
+def no_ray_connection() -> Iterator[None]:
+    """For a test that connects this process to a cluster of its own: leave the shared local instance first
+    (one process holds one Ray connection), and leave the test's cluster afterwards."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session")

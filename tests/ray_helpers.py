@@ -120,6 +120,9 @@ def ray_head(
     command += ["--disable-usage-stats", f"--include-dashboard={'true' if dashboard else 'false'}"]
     if dashboard:
         command += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
+    # Every Ray instance's dashboard agent listens on 52365 unless told otherwise; with the session's local
+    # instance already holding it, this head's agent would have no HTTP server and never accept a job.
+    command += [f"--dashboard-agent-listen-port={free_port()}"]
     head = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )

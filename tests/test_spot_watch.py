@@ -65,7 +65,7 @@ def imds() -> Iterator[str]:
         server.shutdown()
 
 
-def test_a_spot_notice_drains_the_node_with_its_deadline(imds: str) -> None:
+def test_a_spot_notice_drains_the_node_with_its_deadline(imds: str, no_ray_connection: None) -> None:
     from ray._private.state import state as ray_state
     from ray.cluster_utils import Cluster
 

@@ -1,0 +1,128 @@
+"""Every internal (non-public) Ray name `raytrain.ray_hooks` relies on, with the shape it relies on.
+
+A Ray upgrade that renames a module, a class, a hook or a field fails here by name, in a second and without a
+cluster, instead of as a silent no-op callback or an AttributeError inside Ray Train's controller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parameters(function: Any) -> list[str]:
+    return [name for name in inspect.signature(function).parameters if name != "self"]
+
+
+def field_names(cls: type) -> set[str]:
+    assert dataclasses.is_dataclass(cls), f"{cls.__qualname__} is no longer a dataclass"
+    return {field.name for field in dataclasses.fields(cls)}
+
+
+@pytest.mark.parametrize(
+    ("base", "hook", "expected"),
+    [
+        ("WorkerGroupCallback", "after_worker_group_start", ["worker_group"]),
+        ("WorkerGroupCallback", "after_worker_group_poll_status", ["worker_group_status"]),
+        ("ControllerCallback", "after_controller_state_update", ["previous_state", "current_state"]),
+        ("ControllerCallback", "before_controller_execute_failure_decision", ["failure_decision"]),
+    ],
+)
+def test_the_callback_hooks_exist_with_their_parameters(base: str, hook: str, expected: list[str]) -> None:
+    from ray.train.v2._internal.execution import callback
+
+    cls = getattr(callback, base)
+    assert hasattr(cls, hook), f"Ray Train's {base} has no {hook} any more"
+    assert parameters(getattr(cls, hook)) == expected
+
+
+def test_our_callbacks_override_only_hooks_that_exist() -> None:
+    from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
+
+    from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors
+
+    for ours in (StopRepeatedUserErrors, RunLog, RefreshClusterView):
+        bases = [base for base in (WorkerGroupCallback, ControllerCallback) if issubclass(ours, base)]
+        assert bases
+        own = {name for name in vars(ours) if not name.startswith("_") and callable(vars(ours)[name])}
+        for name in own:
+            assert any(hasattr(base, name) for base in bases), f"{ours.__name__}.{name} is no hook of {bases}"
+
+
+def test_the_controller_states_and_the_fields_read_from_them() -> None:
+    from ray.train.v2._internal.execution.controller import state
+    from ray.train.v2._internal.execution.scaling_policy.scaling_policy import ResizeDecision
+
+    for name in ("RestartingState", "ReschedulingState", "ErroredState"):
+        assert parameters(getattr(state, name).__init__) == ["training_failed_error"]
+    assert parameters(state.ResizingState.__init__) == ["scaling_decision"]
+    assert "num_workers" in field_names(ResizeDecision)
+
+
+def test_the_worker_group_fields_read_by_the_callbacks() -> None:
+    from ray.train.v2._internal.execution.context import DistributedContext
+    from ray.train.v2._internal.execution.worker_group import ActorMetadata, Worker, WorkerGroup, WorkerGroupPollStatus
+
+    assert hasattr(WorkerGroup, "get_workers")
+    assert {"metadata", "distributed_context"} <= set(parameters(Worker.__init__))
+    assert "node_id" in field_names(ActorMetadata)
+    assert "world_rank" in field_names(DistributedContext)
+    assert isinstance(inspect.getattr_static(WorkerGroupPollStatus, "errors"), property)
+
+
+def test_controller_error_is_not_retried_and_wraps_an_exception() -> None:
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from raytrain.errors import UserCodeError
+
+    wrapped = ControllerError(UserCodeError("a bug"))
+    assert wrapped.controller_failure.args == ("a bug",)
+
+
+def test_the_preemption_context_of_a_worker() -> None:
+    from ray.train.v2._internal.execution.context import TrainContext, get_train_context
+    from ray.train.v2._internal.execution.preemption import PreemptionContext
+
+    assert callable(get_train_context)
+    assert "preemption_context" in field_names(TrainContext)
+    assert "preemption_info" in field_names(PreemptionContext)
+
+
+def test_the_autoscaling_coordinator_can_be_told_to_recompute() -> None:
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as coordinator
+
+    assert parameters(coordinator.get_or_create_autoscaling_coordinator) == []
+    assert parameters(coordinator._AutoscalingCoordinatorActor.get_reserved_resources) == ["requester_id", "recompute"]
+
+
+def test_the_gcs_drain_call_and_its_reason() -> None:
+    from ray._raylet import InnerGcsClient  # type: ignore[attr-defined]  # GcsClient forwards to it
+    from ray.core.generated import autoscaler_pb2
+
+    assert hasattr(InnerGcsClient, "drain_node")
+    assert autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION") > 0  # type: ignore[attr-defined]
+
+
+def test_the_driver_printer_that_is_made_one_line() -> None:
+    import ray._private.worker as ray_worker
+
+    assert parameters(ray_worker.print_to_stdstream) == ["data", "ignore_prefix"]
+
+
+def test_ray_is_pinned_to_the_minor_version_these_names_were_read_from() -> None:
+    import ray
+
+    pyproject = (REPO / "pyproject.toml").read_text()
+    match = re.search(r'"ray\[[^\]]*\]>=(\d+)\.(\d+),<(\d+)\.(\d+)"', pyproject)
+    assert match, "pyproject.toml must pin ray to a minor-version range (the internals above are not stable API)"
+    low, high = (int(match[1]), int(match[2])), (int(match[3]), int(match[4]))
+    assert high == (low[0], low[1] + 1), f"ray pinned to {low}..{high}: one minor version at a time"
+    installed = tuple(int(part) for part in ray.__version__.split(".")[:2])
+    assert low <= installed < high, f"ray {ray.__version__} installed, pyproject allows {low}..{high}"
