@@ -8,10 +8,12 @@ Layout of one checkpoint directory (Ray merges the per-rank directories into it)
     consumed_ids.npy               rank 0, streaming mode: sorted ids consumed so far in the current epoch
     manifest.json                  rank 0, last: every file above (every rank's) and its size
 
-Saving is a collective: every rank must call `save_checkpoint` (DCP plans the write together; zero1 consolidates
-the optimizer on rank 0; the file sizes are gathered for the manifest). Nothing is loaded with arbitrary
-unpickling: DCP through `raytrain.checkpoint_files.SafeReader` / `SafeLoadPlanner`, the torch file with
-`weights_only=True`, the ids with `allow_pickle=False`, the state as JSON.
+Saving is a collective: every rank must call `save_checkpoint`, or `start_save` and later `finish_save` (DCP plans
+the write together; zero1 consolidates the optimizer on rank 0; the file sizes are gathered for the manifest). With
+a background group `start_save` returns once this rank's shard is copied to host memory and DCP writes it in a
+thread, so training goes on while the files are written; the manifest, written last, marks the files complete.
+Nothing is loaded with arbitrary unpickling: DCP through `raytrain.checkpoint_files.SafeReader` /
+`SafeLoadPlanner`, the torch file with `weights_only=True`, the ids with `allow_pickle=False`, the state as JSON.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -82,14 +85,48 @@ def _is_zero_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
-def save_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed_ids: np.ndarray
-) -> str:
-    """Write this rank's share of the checkpoint into a fresh directory and return it; all ranks must call.
+@dataclass
+class PendingSave:
+    """A checkpoint whose state is copied and whose files are being written (`start_save`); `finish_save`
+    completes it. `metrics` is what the run reports with it once every rank's files are written."""
 
-    The directory is new (`tempfile.mkdtemp`) so it can outlive the call while Ray uploads it.
-    """
-    directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")
+    directory: str
+    step: int
+    metrics: dict[str, Any]
+    write: Future[Any] | None  # DCP's background write; None when it was written before `start_save` returned
+
+    def written(self) -> bool:
+        """Whether this rank's files are on disk (no wait)."""
+        return self.write is None or self.write.done()
+
+
+def checkpoint_group() -> Any:
+    """A gloo process group of its own for background checkpoint writes (collective: every rank must call it
+    once per worker-group start), so the writer thread's collectives never interleave with the training
+    thread's on the default group; None without torch.distributed (one process)."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+
+
+def start_save(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    rank: int,
+    consumed_ids: np.ndarray,
+    *,
+    metrics: dict[str, Any] | None = None,
+    background_group: Any = None,
+) -> PendingSave:
+    """Begin a checkpoint of the current model, optimizer and train state in a fresh directory (collective: all
+    ranks call it at the same step).
+
+    With `background_group` (see `checkpoint_group`) DCP copies this rank's model and optimizer shard to host
+    memory before returning and writes it in a background thread: training may change the parameters at once.
+    Without it the files are written before it returns. zero1's consolidated optimizer, the train state and the
+    consumed ids are always written before it returns (small, or a collective of the training thread)."""
+    directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # new: it outlives the call while Ray uploads it
     zero1 = _is_zero_optimizer(optimizer)
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
     if zero1:
@@ -98,15 +135,36 @@ def save_checkpoint(
             torch.save(optimizer.state_dict(), os.path.join(directory, ZERO1_OPTIMIZER_FILE))
     else:
         sharded["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(sharded, checkpoint_id=directory)
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
         np.save(os.path.join(directory, CONSUMED_IDS_FILE), consumed_ids.astype(np.int64))
-    every_rank = all_gather_objects(file_sizes(directory))
+    write: Future[Any] | None = None
+    if background_group is not None:
+        write = dcp.async_save(sharded, checkpoint_id=directory, process_group=background_group)  # type: ignore[assignment]
+    else:
+        dcp.save(sharded, checkpoint_id=directory)
+    return PendingSave(directory, state.step, dict(metrics or {}), write)
+
+
+def finish_save(pending: PendingSave, rank: int) -> str:
+    """Wait until this rank's files of `pending` are written, then have rank 0 write the manifest of every rank's
+    files (collective: all ranks call it for the same checkpoint); return the directory. Raises what the
+    background write raised."""
+    if pending.write is not None:
+        pending.write.result()
+    every_rank = all_gather_objects(file_sizes(pending.directory))
     if rank == 0:
-        write_manifest(directory, {name: size for files in every_rank for name, size in files.items()})
-    return directory
+        write_manifest(pending.directory, {name: size for files in every_rank for name, size in files.items()})
+    return pending.directory
+
+
+def save_checkpoint(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed_ids: np.ndarray
+) -> str:
+    """Write this rank's share of the checkpoint into a fresh directory and return it, before returning (all
+    ranks must call; `start_save` + `finish_save` without a background write)."""
+    return finish_save(start_save(model, optimizer, state, rank, consumed_ids), rank)
 
 
 def load_checkpoint(

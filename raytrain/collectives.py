@@ -57,6 +57,14 @@ def all_reduce_max(value: float) -> float:
     return float(tensor.item())
 
 
+def all_reduce_max_floats(values: list[float]) -> list[float]:
+    """The element-wise largest of every rank's `values` (all of the same length; one all-reduce, float64)."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    if _active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [float(v) for v in tensor.tolist()]
+
+
 def all_gather_ints(values: list[int]) -> list[list[int]]:
     """Every rank's list of ints (all of the same length), in rank order."""
     if not _active():

@@ -222,11 +222,16 @@ class CheckpointConfig:
         run_name: the run directory under `storage_path`; a rerun with the same name resumes from its latest
             checkpoint.
         every_steps: commit a checkpoint every this many optimizer steps, and always at the end (>= 1). At most
-            this many steps of work are lost to a failure.
+            this many steps of work are lost to a failure, plus the steps trained while the latest checkpoint was
+            being written and committed (usually one, see `background_save`).
         keep: checkpoints kept (>= 1); older ones are deleted by Ray Train.
         wait_for_commit: have every checkpoint committed by Ray before the next one is written, before a drained
             node is let go and at the end (a background wait; training goes on meanwhile). A failure while the
             latest checkpoint commits (well under a second) restores the one before it. False: never wait.
+        background_save: write checkpoint files in a background thread (DCP async save on a gloo group of its
+            own): the step that checkpoints only copies this rank's model and optimizer shard to host memory
+            (one extra copy of the shard in host RAM while it is written); the checkpoint is reported after the
+            first step at whose end every rank's files are written. False: write them before training goes on.
     """
 
     storage_path: str = "raytrain_runs"
@@ -234,6 +239,7 @@ class CheckpointConfig:
     every_steps: int = 50
     keep: int = 2
     wait_for_commit: bool = True
+    background_save: bool = True
 
     def __post_init__(self) -> None:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):

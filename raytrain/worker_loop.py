@@ -21,9 +21,9 @@ from torch import nn
 
 from raytrain import faults
 from raytrain.batch_plan import BatchPlan
-from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint import PendingSave, TrainState, checkpoint_group, finish_save, load_checkpoint, start_save
 from raytrain.checkpoint_files import checkpoint_dirs, read_step, remove_uncommitted, verify
-from raytrain.collectives import all_gather_objects, all_reduce_max, all_reduce_sum
+from raytrain.collectives import all_gather_objects, all_reduce_max_floats, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
@@ -204,6 +204,8 @@ class Run:
     state: TrainState
     restored: bool
     total_steps: int | None  # the run's length in steps, when known (deterministic mode, or max_steps)
+    saves: Any = None  # the process group of background checkpoint writes (None: written on the training thread)
+    pending: PendingSave | None = None  # a checkpoint being written, reported once every rank's files are
     commit: PendingCommit = field(default_factory=lambda: PendingCommit())
 
     @property
@@ -409,6 +411,7 @@ def start_run(job: WorkerJob) -> Run:
         state=state,
         restored=restored,
         total_steps=_total_steps(spec, source, state),
+        saves=checkpoint_group() if spec.checkpoint.background_save else None,
     )
     log.total_steps = run.total_steps
     phases = {"model": built - began, "restore": loaded - built, "data": time.perf_counter() - loaded}
@@ -536,18 +539,18 @@ def _train(run: Run) -> None:
             _validate(run, metrics)
         run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
         if checkpoint_now:
-            committed = _commit(run, metrics)
-        deadline = _drain_deadline()
+            committed = _checkpoint(run, metrics)
+        deadline = _agree_after_step(run)
         if deadline is not None:  # a node of the group is being drained: save now, train nothing to be lost
             if state.step != committed:
                 _validate(run, metrics)
-                committed = _commit(run, metrics)
-            run.commit.wait()
+                committed = _checkpoint(run, metrics)
+            _settle(run)
             _wait_for_the_drain(run, deadline)
     if state.step != committed and metrics:  # the last epoch ended between checkpoints
         _validate(run, metrics)
-        _commit(run, metrics)
-    run.commit.wait()
+        _checkpoint(run, metrics)
+    _settle(run)
     if metrics:
         run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:
@@ -558,12 +561,23 @@ def _train(run: Run) -> None:
 DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on
 
 
-def _drain_deadline() -> float | None:
-    """The deadline (UNIX seconds; 0 when unknown) of a drain announced for a node of this worker group, agreed by
-    every rank after every step (collective: one tiny all-reduce), or None."""
+def _agree_after_step(run: Run) -> float | None:
+    """After every step, one tiny all-reduce agrees on two things: the deadline (UNIX seconds; 0 when unknown) of
+    a drain announced for a node of this worker group, returned (None without one), and whether every rank has
+    written its files of the checkpoint in progress, which is then reported at once (`_report_pending`)."""
     local = preemption_deadline_ms()
-    agreed = all_reduce_max(-1.0 if local is None else local / 1000)
-    return None if agreed < 0 else agreed
+    unwritten = run.pending is not None and not run.pending.written()
+    drain, any_unwritten = all_reduce_max_floats([-1.0 if local is None else local / 1000, float(unwritten)])
+    if run.pending is not None and not any_unwritten:
+        _report_pending(run)
+    return None if drain < 0 else drain
+
+
+def _settle(run: Run) -> None:
+    """Report the checkpoint in progress (waiting for its files) and wait until Ray has committed every reported
+    one: before a drained node is let go and at the end (collective)."""
+    _report_pending(run)
+    run.commit.wait()
 
 
 def _wait_for_the_drain(run: Run, deadline: float) -> None:
@@ -649,8 +663,20 @@ def _report(run: Run, metrics: dict[str, Any], directory: str) -> None:
         run.commit.start()
 
 
-def _commit(run: Run, metrics: dict[str, Any]) -> int:
-    """Save and report a checkpoint of the run's state (collective); returns the committed step."""
+def _report_pending(run: Run) -> None:
+    """Complete the checkpoint in progress, if any: wait for this rank's files, write the manifest, report it
+    (collective)."""
+    if run.pending is None:
+        return
+    pending, run.pending = run.pending, None
+    _report(run, pending.metrics, finish_save(pending, run.rank))
+
+
+def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
+    """Checkpoint the run's state with `metrics` (collective); returns its step. The previous checkpoint is
+    reported and committed first. With background saves (`CheckpointConfig.background_save`) it returns once
+    the state is copied to host memory; the checkpoint is reported after the step at whose end every rank's
+    files are written (`_agree_after_step`), else before it returns."""
     state, spec = run.state, run.spec
     state.world_size, state.global_batch, state.plan, state.config = (
         run.world,
@@ -660,8 +686,18 @@ def _commit(run: Run, metrics: dict[str, Any]) -> int:
     )
     state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
+    _report_pending(run)
     run.commit.wait()  # the previous checkpoint is committed before this one is written
-    directory = save_checkpoint(run.model, run.optimizer, state, run.rank, run.source.consumed_ids())
+    run.pending = start_save(
+        run.model,
+        run.optimizer,
+        state,
+        run.rank,
+        run.source.consumed_ids(),
+        metrics=metrics,
+        background_group=run.saves,
+    )
     fault_point("checkpoint")
-    _report(run, metrics, directory)
+    if run.saves is None:
+        _report_pending(run)
     return state.step

@@ -1,9 +1,12 @@
 """A checkpoint written at W = 2 loads at W' = 1 and 3, for ddp, zero1, zero2 and zero3 (gloo, no Ray).
 
-Each rank saves its share with `save_checkpoint` into its own directory, as in a Ray run; the test merges the
-directories the way Ray Train does (one directory, all files) and loads it at another world size. After loading,
-the full parameters equal the saved ones, and one more optimizer step on the same global batch gives the same
-parameters as the run that never stopped, which holds only when the optimizer state (momentum) came back too.
+Each rank saves its share with `save_checkpoint` into its own directory, as in a Ray run, and once more in the
+background (`start_save` on a gloo group of its own, then a training step that changes every parameter in place
+while the files are written, then `finish_save`): that checkpoint must hold the state of the step it was taken
+at. The test merges the directories the way Ray Train does (one directory, all files) and loads it at another
+world size. After loading, the full parameters equal the saved ones, and one more optimizer step on the same
+global batch gives the same parameters as the run that never stopped, which holds only when the optimizer state
+(momentum) came back too.
 """
 
 from __future__ import annotations
@@ -22,13 +25,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from raytrain.batch_plan import plan_batch
-from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_checkpoint, save_checkpoint, start_save
 from raytrain.data import rank_micro_batches
 from raytrain.optim import build_optimizer
 from raytrain.parallelize import apply_parallelism
 from raytrain.worker_loop import train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+KINDS = ("sync", "background")
 GLOBAL_BATCH = 12
 ROWS = 3 * GLOBAL_BATCH
 
@@ -70,25 +74,35 @@ def _rank_main(rank: int, world: int, port: int, mode: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict[str, object] = {}
+    group = checkpoint_group()
     try:
         for strategy in STRATEGIES:
-            model = apply_parallelism(_model(), strategy, torch.device("cpu"), world)
-            optimizer = build_optimizer(model, _sgd, 0.05, strategy)
-            try:
-                if mode == "save":  # two steps, checkpoint, one more step: the continuation to reproduce
-                    _step(model, optimizer, 0, rank, world)
-                    _step(model, optimizer, 1, rank, world)
-                    directory = save_checkpoint(model, optimizer, TrainState(step=2), rank, np.zeros(0, np.int64))
-                    saved = _full_params(model)
-                    _step(model, optimizer, 2, rank, world)
-                    results[strategy] = {"dir": directory, "saved": saved, "after": _full_params(model)}
-                else:  # load the merged checkpoint, then take step 2
-                    state, _ = load_checkpoint(os.path.join(out, strategy), model, optimizer)
-                    loaded = _full_params(model)
-                    _step(model, optimizer, 2, rank, world)
-                    results[strategy] = {"step": state.step, "loaded": loaded, "after": _full_params(model)}
-            except Exception:
-                results[strategy] = {"error": traceback.format_exc()}
+            for kind in KINDS:
+                model = apply_parallelism(_model(), strategy, torch.device("cpu"), world)
+                optimizer = build_optimizer(model, _sgd, 0.05, strategy)
+                key = f"{strategy}-{kind}"
+                try:
+                    if mode == "save":  # two steps, checkpoint, one more step: the continuation to reproduce
+                        _step(model, optimizer, 0, rank, world)
+                        _step(model, optimizer, 1, rank, world)
+                        state, ids = TrainState(step=2), np.zeros(0, np.int64)
+                        if kind == "sync":
+                            directory = save_checkpoint(model, optimizer, state, rank, ids)
+                            saved = _full_params(model)
+                            _step(model, optimizer, 2, rank, world)
+                        else:  # the next step runs while the files are being written
+                            pending = start_save(model, optimizer, state, rank, ids, background_group=group)
+                            saved = _full_params(model)
+                            _step(model, optimizer, 2, rank, world)
+                            directory = finish_save(pending, rank)
+                        results[key] = {"dir": directory, "saved": saved, "after": _full_params(model)}
+                    else:  # load the merged checkpoint, then take step 2
+                        state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
+                        loaded = _full_params(model)
+                        _step(model, optimizer, 2, rank, world)
+                        results[key] = {"step": state.step, "loaded": loaded, "after": _full_params(model)}
+                except Exception:
+                    results[key] = {"error": traceback.format_exc()}
         torch.save(results, os.path.join(out, f"{mode}-w{world}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -106,23 +120,27 @@ def _run(world: int, mode: str, out: Path) -> list[dict[str, dict]]:
 def saved_and_loaded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, dict[int, list]]:
     out = tmp_path_factory.mktemp("reshard")
     saved = _run(2, "save", out)
-    for strategy in STRATEGIES:  # merge the per-rank directories into one, as Ray Train does
-        merged = out / strategy
+    for key in (f"{strategy}-{kind}" for strategy in STRATEGIES for kind in KINDS):  # merge, as Ray Train does
+        merged = out / key
         merged.mkdir()
         for rank_result in saved:
-            assert "error" not in rank_result[strategy], rank_result[strategy].get("error")
-            for name in os.listdir(rank_result[strategy]["dir"]):
-                shutil.copy(os.path.join(rank_result[strategy]["dir"], name), merged / name)
+            assert "error" not in rank_result[key], rank_result[key].get("error")
+            for name in os.listdir(rank_result[key]["dir"]):
+                shutil.copy(os.path.join(rank_result[key]["dir"], name), merged / name)
     return saved, {world: _run(world, "load", out) for world in (1, 3)}
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world", [1, 3])
-def test_checkpoint_from_w2_loads_and_continues_at_other_w(saved_and_loaded, strategy: str, world: int) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_checkpoint_from_w2_loads_and_continues_at_other_w(
+    saved_and_loaded, strategy: str, world: int, kind: str
+) -> None:
     saved, loaded = saved_and_loaded
-    reference = saved[0][strategy]
+    reference = saved[0][f"{strategy}-{kind}"]
+    assert not torch.equal(reference["saved"]["0.weight"], reference["after"]["0.weight"])  # the step changed it
     for rank, result in enumerate(loaded[world]):
-        outcome = result[strategy]
+        outcome = result[f"{strategy}-{kind}"]
         assert "error" not in outcome, f"rank {rank}: {outcome.get('error')}"
         assert outcome["step"] == 2
         for name, value in reference["saved"].items():
