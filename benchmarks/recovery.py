@@ -13,7 +13,8 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
     bare start      TorchTrainer.fit() -> train_func entered, trivial train_func
     bare restart    SIGKILL of a worker in a trivial train_func -> train_func entered again
     checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
-                    the extra wall time of steps 11-60 over the run without (`checkpoint_overhead_fraction`)
+                    the extra wall time of steps 11-60 over the run without (`checkpoint_overhead_fraction`),
+                    and where it goes: the median gap between logged steps at each position of the 5-step cycle
 
 Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
 the next group: failure detection, teardown, placement, worker start, process group), raytrain's start (model
@@ -25,6 +26,7 @@ figures and whether each goal of issue 13 is met. Ray settings: raytrain's defau
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -80,23 +82,33 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
     }
 
 
-def run_wall(name: str, storage: str, every: int) -> float:
-    """Wall seconds from the end of step 10 to the end of step 60 of a fixed 3-worker run."""
+def run_gaps(name: str, storage: str, every: int) -> list[float]:
+    """Seconds between consecutive logged steps 10..60 of a fixed 3-worker run (50 gaps; the first one ends at
+    step 11)."""
     summary = demo(name, storage, [*FIXED_RUN, "--checkpoint-every", str(every)])
     times = [m["time"] for m in read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl"))]
-    return times[59] - times[9]
+    return [later - earlier for earlier, later in itertools.pairwise(times[9:60])]
 
 
 def checkpoint_overhead(storage: str, reps: int) -> dict[str, Any]:
     """Extra wall time of checkpointing every 5 steps, as a fraction of the same run without checkpoints
-    (runs alternated; the median of the per-pair fractions)."""
-    pairs = []
+    (runs alternated; the median of the per-pair fractions of steps 11-60's wall time), and the profile: the
+    median gap before each position of the 5-step cycle (position 1 follows the checkpointing step: the copy to
+    host memory; 2 the step whose end reports it: manifest, `ray.train.report`)."""
+    pairs, cycles = [], {True: [[] for _ in range(5)], False: [[] for _ in range(5)]}
     for rep in range(reps):
-        with_checkpoints = run_wall(f"ckpt5_{rep}", storage, 5)
-        without = run_wall(f"ckpt_none_{rep}", storage, 10**6)
-        pairs.append((with_checkpoints, without))
+        with_checkpoints = run_gaps(f"ckpt5_{rep}", storage, 5)
+        without = run_gaps(f"ckpt_none_{rep}", storage, 10**6)
+        pairs.append((sum(with_checkpoints), sum(without)))
+        for checkpoints, gaps in ((True, with_checkpoints), (False, without)):
+            for i, gap in enumerate(gaps):
+                cycles[checkpoints][(11 + i) % 5].append(gap)
     fractions = [(a - b) / b for a, b in pairs]
-    return {"pairs_s": pairs, "fraction": median(fractions)}
+    profile = {
+        position: (median(cycles[True][position % 5]), median(cycles[False][position % 5]))
+        for position in (1, 2, 3, 4, 5)
+    }
+    return {"pairs_s": pairs, "fraction": median(fractions), "profile_s": profile}
 
 
 def _bare_train_func(config: dict[str, Any]) -> None:
@@ -186,6 +198,15 @@ def main() -> int:
         table(
             ["checkpoints", "steps 11-60 with (s)", "without (s)"],
             [[f"pair {i + 1}", f"{a:.3f}", f"{b:.3f}"] for i, (a, b) in enumerate(costs["pairs_s"])],
+        )
+    )
+    print(
+        table(
+            ["step after a checkpoint", "median gap with (ms)", "without (ms)", "extra (ms)"],
+            [
+                [position, f"{a * 1000:.1f}", f"{b * 1000:.1f}", f"{(a - b) * 1000:+.1f}"]
+                for position, (a, b) in costs["profile_s"].items()
+            ],
         )
     )
     headline = {

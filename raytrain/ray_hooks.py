@@ -158,36 +158,31 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
     """Runs in the Ray Train controller and makes the first restart after a node loss use the size the cluster can
     hold now. Ray Train's elastic policy sees the cluster through the autoscaling coordinator, which re-reads the
     node list every 20 s; right after a node dies it still counts that node, schedules the old size and waits for
-    the worker-group start timeout before trying the right one. Before each failure decision this callback probes
-    the raylet of every node whose worker failed; for a node that does not answer it waits (at most
-    `NODE_DEATH_PATIENCE_S`) until the GCS marks it dead, then has the coordinator recompute its view. While the
-    group runs it compares the set of alive nodes every `monitor_interval_s` and refreshes the view when a node
-    has joined or left, so a grow is seen at the next resize check instead of the coordinator's next tick."""
+    the worker-group start timeout before trying the right one. Before each failure decision this callback looks
+    at every node of the worker group (not only those of the ranks that reported an error: a survivor's
+    "connection reset" often arrives before the dead rank's error): a node whose raylet does not answer, or that
+    is being drained, is waited for (at most `NODE_DEATH_PATIENCE_S`) until the GCS marks it dead; then the
+    coordinator recomputes its view. While the group runs it compares the set of alive nodes every
+    `monitor_interval_s` and refreshes the view when a node has joined or left, so a grow is seen at the next
+    resize check instead of the coordinator's next tick."""
 
     def __init__(self, run_dir: str, monitor_interval_s: float) -> None:
         self.run_dir = run_dir
         self.monitor_interval_s = monitor_interval_s
-        self._node_of_rank: dict[int, str] = {}
-        self._failed_nodes: set[str] = set()
+        self._group_nodes: set[str] = set()
         self._alive_nodes: frozenset[str] | None = None
         self._checked_at = float("-inf")
 
     def after_worker_group_start(self, worker_group: Any) -> None:
-        """Remember which node each rank runs on."""
-        self._node_of_rank = {
-            worker.distributed_context.world_rank: worker.metadata.node_id for worker in worker_group.get_workers()
-        }
-        self._failed_nodes.clear()
+        """Remember the nodes the group runs on."""
+        self._group_nodes = {worker.metadata.node_id for worker in worker_group.get_workers()}
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
-        """Collect the nodes of the ranks that failed; refresh the view when the set of alive nodes changed."""
+        """Refresh the view when the set of alive nodes changed (checked every `monitor_interval_s`)."""
         import time
 
         import ray
 
-        for rank in worker_group_status.errors:
-            if rank in self._node_of_rank:
-                self._failed_nodes.add(self._node_of_rank[rank])
         if worker_group_status.errors or time.monotonic() - self._checked_at < self.monitor_interval_s:
             return
         self._checked_at = time.monotonic()
@@ -197,12 +192,11 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
         self._alive_nodes = alive
 
     def before_controller_execute_failure_decision(self, failure_decision: Any) -> None:
-        """Wait for the unreachable nodes to be marked dead, then refresh the coordinator's view."""
+        """Wait for the group's lost and drained nodes to be marked dead, then refresh the coordinator's view."""
         import time
 
         started = time.monotonic()
-        gone = [node for node in sorted(self._failed_nodes) if not _raylet_answers(node)]
-        self._failed_nodes.clear()
+        gone = sorted(leaving_nodes(self._group_nodes))
         while gone and any(_alive(node) for node in gone) and time.monotonic() - started < NODE_DEATH_PATIENCE_S:
             time.sleep(0.2)
         if gone:
@@ -210,6 +204,24 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
             names = ", ".join(node[:8] for node in gone)
             append_line(self.run_dir, f"[raytrain] node {names} lost (marked dead after {waited:.1f} s)")
         refresh_cluster_view()
+
+
+def leaving_nodes(nodes: set[str]) -> set[str]:
+    """Those of `nodes` that are dead, being drained, or whose raylet does not answer (probed in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray._private.state import state as ray_state
+
+    if not nodes:
+        return set()
+    try:
+        draining = set(ray_state.get_draining_nodes())
+    except Exception:  # an older GCS: no drains known
+        draining = set()
+    probed = sorted(nodes - draining)
+    with ThreadPoolExecutor(max_workers=min(32, len(probed) or 1)) as pool:
+        answers = dict(zip(probed, pool.map(_raylet_answers, probed), strict=True))
+    return (nodes & draining) | {node for node, answered in answers.items() if not answered}
 
 
 def _node_record(node_id: str) -> dict[str, Any] | None:

@@ -43,8 +43,9 @@ def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed
     assert any(line.startswith("[raytrain] worker group failed (") for line in lines)  # recovery, summarised
     assert any(line.startswith("[raytrain] cluster changed: restarting the worker group at 3") for line in lines)
     assert len(lines) <= 80, f"{len(lines)} lines for a 160-step run with two events"
-    # Never more than one checkpoint interval, plus the step during which the latest checkpoint was being written.
-    assert removed["steps_lost"] <= 5 + 1 and added["steps_lost"] <= 5 + 1
+    # At most one checkpoint interval, plus the steps trained while the latest checkpoint was being written and
+    # committed (~0.5 s here: Ray Train's controller registers reports at its polls).
+    assert removed["steps_lost"] <= 2 * 5 and added["steps_lost"] <= 2 * 5
 
 
 def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[float]) -> None:

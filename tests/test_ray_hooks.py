@@ -110,6 +110,12 @@ def test_the_gcs_drain_call_and_its_reason() -> None:
     assert autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION") > 0  # type: ignore[attr-defined]
 
 
+def test_the_gcs_lists_the_nodes_being_drained() -> None:
+    from ray._private.state import GlobalState
+
+    assert parameters(GlobalState.get_draining_nodes) == []
+
+
 def test_the_driver_printer_that_is_made_one_line() -> None:
     import ray._private.worker as ray_worker
 
