@@ -13,8 +13,10 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
     bare start      TorchTrainer.fit() -> train_func entered, trivial train_func
     bare restart    SIGKILL of a worker in a trivial train_func -> train_func entered again
     checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
-                    the extra wall time of steps 11-60 over the run without (`checkpoint_overhead_fraction`),
-                    and where it goes: the median gap between logged steps at each position of the 5-step cycle
+                    the extra wall time of steps 11-60 over the run without, with the files written in the
+                    background (`checkpoint_overhead_fraction`, the default) and on the training thread
+                    (`..._sync`), and where it goes: the median gap between logged steps at each position of
+                    the 5-step cycle
 
 Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
 the next group: failure detection, teardown, placement, worker start, process group), raytrain's start (model
@@ -82,33 +84,41 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
     }
 
 
-def run_gaps(name: str, storage: str, every: int) -> list[float]:
-    """Seconds between consecutive logged steps 10..60 of a fixed 3-worker run (50 gaps; the first one ends at
-    step 11)."""
-    summary = demo(name, storage, [*FIXED_RUN, "--checkpoint-every", str(every)])
+def run_gaps(name: str, storage: str, flags: list[str]) -> list[float]:
+    """Seconds between consecutive logged steps 10..60 of a fixed 3-worker run with the demo `flags` (50 gaps;
+    the first one ends at step 11)."""
+    summary = demo(name, storage, [*FIXED_RUN, *flags])
     times = [m["time"] for m in read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl"))]
     return [later - earlier for earlier, later in itertools.pairwise(times[9:60])]
 
 
+CHECKPOINT_MODES = {  # name -> demo flags; "none" is the baseline
+    "background": ["--checkpoint-every", "5"],
+    "sync": ["--checkpoint-every", "5", "--no-background-save"],
+    "none": ["--checkpoint-every", str(10**6)],
+}
+
+
 def checkpoint_overhead(storage: str, reps: int) -> dict[str, Any]:
-    """Extra wall time of checkpointing every 5 steps, as a fraction of the same run without checkpoints
-    (runs alternated; the median of the per-pair fractions of steps 11-60's wall time), and the profile: the
-    median gap before each position of the 5-step cycle (position 1 follows the checkpointing step: the copy to
-    host memory; 2 the step whose end reports it: manifest, `ray.train.report`)."""
-    pairs, cycles = [], {True: [[] for _ in range(5)], False: [[] for _ in range(5)]}
+    """Extra wall time of checkpointing every 5 steps, written in the background (the default) and on the
+    training thread, as a fraction of the same run without checkpoints (runs alternated; the median of the
+    per-repetition fractions of steps 11-60's wall time), and the profile: the median gap before each position of
+    the 5-step cycle (position 1 follows the checkpointing step: the copy to host memory, or the whole write; 2
+    the step whose end reports a background checkpoint: manifest, `ray.train.report`)."""
+    gaps: dict[str, list[list[float]]] = {mode: [] for mode in CHECKPOINT_MODES}
     for rep in range(reps):
-        with_checkpoints = run_gaps(f"ckpt5_{rep}", storage, 5)
-        without = run_gaps(f"ckpt_none_{rep}", storage, 10**6)
-        pairs.append((sum(with_checkpoints), sum(without)))
-        for checkpoints, gaps in ((True, with_checkpoints), (False, without)):
-            for i, gap in enumerate(gaps):
-                cycles[checkpoints][(11 + i) % 5].append(gap)
-    fractions = [(a - b) / b for a, b in pairs]
-    profile = {
-        position: (median(cycles[True][position % 5]), median(cycles[False][position % 5]))
-        for position in (1, 2, 3, 4, 5)
+        for mode, flags in CHECKPOINT_MODES.items():
+            gaps[mode].append(run_gaps(f"ckpt_{mode}_{rep}", storage, flags))
+    walls = {mode: [sum(run) for run in runs] for mode, runs in gaps.items()}
+    fractions = {
+        mode: median([(a - b) / b for a, b in zip(walls[mode], walls["none"], strict=True)])
+        for mode in ("background", "sync")
     }
-    return {"pairs_s": pairs, "fraction": median(fractions), "profile_s": profile}
+    profile = {
+        mode: [median([g for run in runs for i, g in enumerate(run) if (11 + i) % 5 == pos % 5]) for pos in range(1, 6)]
+        for mode, runs in gaps.items()
+    }
+    return {"walls_s": walls, "fraction": fractions, "profile_s": profile}
 
 
 def _bare_train_func(config: dict[str, Any]) -> None:
@@ -196,16 +206,19 @@ def main() -> int:
     )
     print(
         table(
-            ["checkpoints", "steps 11-60 with (s)", "without (s)"],
-            [[f"pair {i + 1}", f"{a:.3f}", f"{b:.3f}"] for i, (a, b) in enumerate(costs["pairs_s"])],
+            ["checkpoints every 5", *(f"steps 11-60, {mode} (s)" for mode in CHECKPOINT_MODES)],
+            [
+                [f"repetition {i + 1}", *(f"{costs['walls_s'][mode][i]:.3f}" for mode in CHECKPOINT_MODES)]
+                for i in range(len(costs["walls_s"]["none"]))
+            ],
         )
     )
     print(
         table(
-            ["step after a checkpoint", "median gap with (ms)", "without (ms)", "extra (ms)"],
+            ["step after a checkpoint", *(f"median gap, {mode} (ms)" for mode in CHECKPOINT_MODES)],
             [
-                [position, f"{a * 1000:.1f}", f"{b * 1000:.1f}", f"{(a - b) * 1000:+.1f}"]
-                for position, (a, b) in costs["profile_s"].items()
+                [position, *(f"{costs['profile_s'][mode][position - 1] * 1000:.1f}" for mode in CHECKPOINT_MODES)]
+                for position in range(1, 6)
             ],
         )
     )
@@ -217,7 +230,8 @@ def main() -> int:
         "drain_steps_retrained": rows["drain"]["steps_lost"],
         "bare_sigkill_s": round(bare["restart_s"], 2),
         "bare_start_s": round(bare["start_s"], 2),
-        "checkpoint_overhead_fraction": round(costs["fraction"], 4),
+        "checkpoint_overhead_fraction": round(costs["fraction"]["background"], 4),
+        "checkpoint_overhead_fraction_sync": round(costs["fraction"]["sync"], 4),
     }
     headline["goals_met"] = {
         "drain_steps_retrained": headline["drain_steps_retrained"] == 0,

@@ -173,6 +173,12 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "zero3", "auto"])
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default %(default)s)")
     p.add_argument(
+        "--background-save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write checkpoint files in a background thread (CheckpointConfig.background_save; default: on)",
+    )
+    p.add_argument(
         "--deterministic",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -222,6 +228,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         events=args.events,
         strategy=args.strategy,
         checkpoint_every=args.checkpoint_every,
+        background_save=args.background_save,
         sample_time_s=args.sample_time,
         epoch_steps=args.epoch_steps,
     )

@@ -72,6 +72,7 @@ class DemoOptions:
     events: str = "remove@20,add@60"
     strategy: str = "ddp"
     checkpoint_every: int = 5
+    background_save: bool = True
     epoch_steps: int = 50
     sample_time_s: float = 0.003
     resize_monitor_interval_s: float = 1.0
@@ -457,7 +458,10 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
             log_every=5,
         ),
         checkpoint=CheckpointConfig(
-            storage_path=options.storage, run_name=run_name, every_steps=options.checkpoint_every
+            storage_path=options.storage,
+            run_name=run_name,
+            every_steps=options.checkpoint_every,
+            background_save=options.background_save,
         ),
         cluster=ClusterConfig(
             min_workers=options.min_workers,
