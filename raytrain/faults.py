@@ -5,8 +5,10 @@ a lost node would) at a chosen rank, step and phase, once.
     RAYTRAIN_FAULTS="random:7:5:60"                   5 faults, seeded by 7, at steps 2..60, random ranks and phases
 
 Phases: forward (before a micro-step's forward), backward (between forward and backward), optimizer (after the
-last backward, before the update), checkpoint (a rank's shard written, the checkpoint not yet reported), report
-(reported, not yet committed). "step" is the optimizer step being trained (1-based, as in metrics.jsonl); a fault
+last backward, before the update), checkpoint (the checkpoint of the step begun: the shard copied, its files
+being written in the background, not yet reported), report (that checkpoint reported, not yet committed; this
+happens after a later step). "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
+checkpoint and report the step of the checkpoint; a fault
 for rank r fires on rank r % W. Each fault fires once per run: the firing rank records it in
 `<run>/faults_fired.jsonl` before it dies, so the replay of that step after the restart goes through. Without the
 variable every `fault_point` is a no-op (one dictionary lookup).
@@ -77,12 +79,14 @@ class Injector:
                 fired = {json.loads(line)["fault"] for line in f if line.strip()}
         self.pending = {i: fault for i, fault in enumerate(faults) if i not in fired}
 
-    def check(self, phase: str) -> None:
-        """SIGKILL this process if a pending fault is due here; record it first."""
+    def check(self, phase: str, step: int | None = None) -> None:
+        """SIGKILL this process if a pending fault is due here (at `step`, default the step being trained);
+        record it first."""
+        step = self.step if step is None else step
         for index, fault in list(self.pending.items()):
-            if fault.step == self.step and fault.phase == phase and fault.rank % self.world_size == self.rank:
+            if fault.step == step and fault.phase == phase and fault.rank % self.world_size == self.rank:
                 with open(os.path.join(self.run_dir, FIRED_FILE), "a") as f:
-                    f.write(json.dumps({"fault": index, "rank": self.rank, "step": self.step, "phase": phase}) + "\n")
+                    f.write(json.dumps({"fault": index, "rank": self.rank, "step": step, "phase": phase}) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -106,8 +110,9 @@ def at_step(step: int) -> None:
         injector.step = step
 
 
-def fault_point(phase: str) -> None:
-    """A place a fault may strike; a no-op unless `arm` found faults for this run."""
+def fault_point(phase: str, step: int | None = None) -> None:
+    """A place a fault may strike; a no-op unless `arm` found faults for this run. `step`: the step the phase
+    belongs to when it is not the one being trained (a checkpoint reported after a later step than its own)."""
     injector = _injector.get("active")
     if injector is not None:
-        injector.check(phase)
+        injector.check(phase, step)

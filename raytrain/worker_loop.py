@@ -530,6 +530,11 @@ def _train(run: Run) -> None:
             continue
         try:
             metrics = run_step(run, step)
+        except NonFiniteError:
+            # Found by every rank at the same step (agreed by the norm's all-reduce): the checkpoint being
+            # written holds the last good state, so every rank completes and commits it before stopping.
+            _settle(run)
+            raise
         except Exception as err:
             if out_of_memory(err):
                 raise OutOfMemory(_memory_advice(run, err)) from err
@@ -649,15 +654,16 @@ class PendingCommit:
             raise error
 
 
-def _report(run: Run, metrics: dict[str, Any], directory: str) -> None:
-    """Every rank reports (a barrier) with its checkpoint shard directory; Ray merges them into one checkpoint."""
+def _report(run: Run, metrics: dict[str, Any], directory: str, step: int) -> None:
+    """Every rank reports (a barrier) with its shard directory of the checkpoint of `step`; Ray merges them into
+    one checkpoint."""
     import ray.train
     from ray.train import Checkpoint
 
     ray.train.report(
         metrics, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
     )
-    fault_point("report")
+    fault_point("report", step)
     if run.spec.checkpoint.wait_for_commit:
         # Without this, a restart right after a report often restores the previous checkpoint.
         run.commit.start()
@@ -669,7 +675,7 @@ def _report_pending(run: Run) -> None:
     if run.pending is None:
         return
     pending, run.pending = run.pending, None
-    _report(run, pending.metrics, finish_save(pending, run.rank))
+    _report(run, pending.metrics, finish_save(pending, run.rank), pending.step)
 
 
 def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
