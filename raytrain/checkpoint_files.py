@@ -89,6 +89,22 @@ def _written_before_manifests(directory: str) -> bool:
     return "format_version" not in state and os.path.exists(os.path.join(directory, METADATA_FILE))
 
 
+RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's controller: its committed checkpoints
+
+
+def latest_committed(run_dir: str) -> tuple[int, str] | None:
+    """(step, path) of the checkpoint Ray Train has committed last for the run in `run_dir`, the one a restart
+    restores, from the record Ray Train's controller keeps in the run directory; None when there is none (or the
+    record cannot be read). A newer checkpoint directory may exist: reported, never committed."""
+    try:
+        with open(os.path.join(run_dir, RAY_SNAPSHOT_FILE)) as f:
+            latest = json.load(f).get("latest_checkpoint_result") or {}
+        path = os.path.join(run_dir, latest["checkpoint_dir_name"])
+        return read_step(path), path
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoint directory in `run_dir` whose train state can be read, oldest step first.
     A directory without one (a save cut short) is left out."""

@@ -379,16 +379,17 @@ def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
-    """Where the last committed checkpoint is and the command that resumes from it (one line)."""
+    """Where the last committed checkpoint is (the one a resume restores; a newer one may have been written but
+    never committed) and the command that resumes from it (one line)."""
     import shlex
 
-    from raytrain.checkpoint_files import checkpoint_dirs
+    from raytrain.checkpoint_files import latest_committed
 
     run_dir = getattr(args, "run_dir", None)
-    found = checkpoint_dirs(run_dir) if run_dir else []
-    if not found:
-        return "no checkpoint was written yet" + (f" in {run_dir}" if run_dir else "")
-    step, path = found[-1]
+    found = latest_committed(run_dir) if run_dir else None
+    if found is None:
+        return "no checkpoint was committed yet" + (f" in {run_dir}" if run_dir else "")
+    step, path = found
     command = ["raytrain", *sys.argv[1:]]
     if args.command == "demo" and "--run-name" not in command:
         command += ["--run-name", args.run_name]

@@ -522,7 +522,7 @@ def _train(run: Run) -> None:
     spec, state = run.spec, run.state
     max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}
-    committed = state.step
+    checkpointed = state.step
     while state.step < max_steps and state.epoch < spec.loop.epochs:
         step = run.source.next_step(state.epoch, state.sample_in_epoch)
         if step is None:  # the epoch is used up; nothing is carried into the next one
@@ -544,15 +544,15 @@ def _train(run: Run) -> None:
             _validate(run, metrics)
         run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
         if checkpoint_now:
-            committed = _checkpoint(run, metrics)
+            checkpointed = _checkpoint(run, metrics)
         deadline = _agree_after_step(run)
         if deadline is not None:  # a node of the group is being drained: save now, train nothing to be lost
-            if state.step != committed:
+            if state.step != checkpointed:
                 _validate(run, metrics)
-                committed = _checkpoint(run, metrics)
+                checkpointed = _checkpoint(run, metrics)
             _settle(run)
             _wait_for_the_drain(run, deadline)
-    if state.step != committed and metrics:  # the last epoch ended between checkpoints
+    if state.step != checkpointed and metrics:  # the last epoch ended between checkpoints
         _validate(run, metrics)
         _checkpoint(run, metrics)
     _settle(run)
