@@ -205,7 +205,7 @@ class Run:
     restored: bool
     total_steps: int | None  # the run's length in steps, when known (deterministic mode, or max_steps)
     saves: Any = None  # the process group of background checkpoint writes (None: written on the training thread)
-    pending: PendingSave | None = None  # a checkpoint being written, reported once every rank's files are
+    pending: PendingSave | None = None  # a checkpoint being written; reported once every rank has written it
     commit: PendingCommit = field(default_factory=lambda: PendingCommit())
 
     @property
