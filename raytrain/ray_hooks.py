@@ -7,8 +7,9 @@ loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to t
 
     StopRepeatedUserErrors   end the run when the same marked exception recurs at the same step (a bug)
     RunLog                   one line in <run>/raytrain.log per restart, resize or failure of the worker group
-    RefreshClusterView       after a failure, wait until a node found unreachable is marked dead, then refresh the
-                             elastic policy's view of the cluster, so the first restart uses the size that fits now
+    RefreshClusterView       after a failure, wait until the group's lost or drained nodes are marked dead, then
+                             refresh the elastic policy's view of the cluster, so the first restart uses the size
+                             that fits now
     preemption_deadline_ms   in a worker: the drain Ray Train's preemption watcher announced for its node
     drain_node               ask the GCS to drain a node with a deadline (what a cloud's spot notice becomes)
 """
