@@ -15,7 +15,7 @@ import ray.cloudpickle
 import torch
 from ray_helpers import make_trainer, read_jsonl, wait_for
 
-from raytrain.checkpoint_files import checkpoint_dirs, verify
+from raytrain.checkpoint_files import checkpoint_dirs, latest_committed, verify
 from raytrain.demo import PacedLoss
 from raytrain.errors import UserCodeError
 from raytrain.toy import squared_error
@@ -93,5 +93,7 @@ def test_a_full_disk_ends_with_one_line_and_the_last_checkpoint_intact(
     assert "the run's storage is full or not writable" in str(error) and "No space left on device" in str(error)
     (small_disk / "filler").unlink()
     intact = [step for step, path in checkpoint_dirs(str(small_disk / "full")) if verify(path) is None]
-    assert intact and intact[-1] >= 4, intact  # a committed checkpoint from before the disk filled
-    print(f"stopped with one line; latest intact checkpoint at step {intact[-1]}")
+    committed = latest_committed(str(small_disk / "full"))  # what a resume restores
+    assert committed is not None and committed[0] >= 2, committed  # committed before the disk filled
+    assert verify(committed[1]) is None and committed[0] in intact, (committed, intact)
+    print(f"stopped with one line; the latest committed checkpoint (step {committed[0]}) is intact")
