@@ -51,10 +51,7 @@ def all_reduce_min(value: int) -> int:
 
 def all_reduce_max(value: float) -> float:
     """The largest `value` over ranks (in float64)."""
-    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
-    if _active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor.item())
+    return all_reduce_max_floats([value])[0]
 
 
 def all_reduce_max_floats(values: list[float]) -> list[float]:
