@@ -146,7 +146,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  raytrain demo\n"
         "  raytrain demo --events 'kill@10,remove@25,add@45' --audit-samples --json\n"
-        "  raytrain demo --nodes 2 --workers 2 --events none --steps 30",
+        "  raytrain demo --nodes 2 --workers 2 --events none --steps 30\n"
+        "  raytrain demo --autoscale                 # nodes from Ray's autoscaler, one spot reclaim",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=3, help="fake nodes, one worker slot each (default %(default)s)")
@@ -187,9 +188,29 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--audit-samples", action="store_true", help="write samples.jsonl and check it at the end")
     p.add_argument(
         "--events",
-        default="remove@20,add@60",
+        default=None,
         help="KIND@STEP,... with KIND remove|add|kill|drain (drain: announce the removal 8 s ahead, then remove), "
-        "or none (default %(default)s)",
+        "with --autoscale kill|drain|reclaim (reclaim: the node provider takes a node back without notice), "
+        "or none (default remove@20,add@60; with --autoscale reclaim@60)",
+    )
+    p.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="start with the head and cluster.yaml's min_workers nodes only and let Ray's autoscaler (fake local "
+        "provider, cluster.yaml's node types scaled to 1 CPU) add nodes for the trainer's demand, replace a "
+        "reclaimed one and remove idle ones after training",
+    )
+    p.add_argument(
+        "--cluster-yaml",
+        default="",
+        help="node types for --autoscale (default: the cluster.yaml shipped with raytrain)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=10.0,
+        help="--autoscale: seconds before an idle worker node is removed (cluster.yaml: 5 minutes; default "
+        "%(default)s)",
     )
     p.add_argument(
         "--faults",
@@ -225,7 +246,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         run_name=args.run_name,
         deterministic=args.deterministic,
         audit_samples=args.audit_samples,
-        events=args.events,
+        events=args.events if args.events is not None else ("reclaim@60" if args.autoscale else "remove@20,add@60"),
+        autoscale=args.autoscale,
+        cluster_yaml=args.cluster_yaml,
+        idle_timeout_s=args.idle_timeout,
         strategy=args.strategy,
         checkpoint_every=args.checkpoint_every,
         background_save=args.background_save,
@@ -258,6 +282,20 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"event           {event['kind']} at step {event['applied_step']}: {event['detail']}; {recovered}")
     for note in summary["skipped_events"]:
         lines.append(f"skipped         {note}")
+    if "autoscale" in summary:
+        auto = summary["autoscale"]
+        launched = ", ".join(f"{n} x {t}" for t, n in auto["launched_by_type"].items()) or "none"
+        lines.append(f"autoscaler      launched {launched}; at full size {auto['grow_s']} s after the start")
+        for item in auto["replace"]:
+            lines.append(
+                f"replacement     node {item['node'][-5:]} reclaimed: back at world {item['world_size_before']} "
+                f"after {item['replace_s']} s"
+            )
+        down = auto["scale_down_s"]
+        lines.append(
+            "scale-down      "
+            + (f"no worker node left {down} s after training" if down is not None else "idle nodes NOT removed")
+        )
     if "audit" in summary:
         lines.append(f"audit           {summary['audit']} (per completed epoch)")
     lines.append(f"plot            {summary['plot']}")

@@ -25,7 +25,9 @@ from raytrain.errors import ConfigError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, read_jsonl
 from raytrain.run_lock import run_lock
 
-EVENT_KINDS = ("remove", "add", "kill", "drain")
+EVENT_KINDS = ("remove", "add", "kill", "drain", "reclaim")
+HAND_DRIVEN_KINDS = ("remove", "add")  # only the fixed fake-node cluster: with --autoscale the autoscaler adds nodes
+AUTOSCALE_KINDS = ("reclaim",)  # only with --autoscale: the cloud (the provider) takes a node back
 DRAIN_DEADLINE_S = 8.0  # a drain announces the node's removal this long ahead (clouds give 30 s to 2 min)
 WORKER_SLOT = "worker_slot"
 
@@ -77,6 +79,9 @@ class DemoOptions:
     sample_time_s: float = 0.003
     resize_monitor_interval_s: float = 1.0
     timeout_s: float = 900.0
+    autoscale: bool = False  # nodes come from Ray's autoscaler over cluster.yaml's node types (local_autoscaler)
+    cluster_yaml: str = ""  # the node types for --autoscale; "" = the cluster.yaml shipped with raytrain
+    idle_timeout_s: float = 10.0  # --autoscale: an idle worker node is removed after this long
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
@@ -96,12 +101,26 @@ class DemoOptions:
         LoopConfig(strategy=self.strategy, seed=self.seed)
         if self.max_workers > self.global_batch:
             raise ConfigError(f"max_workers must be <= global_batch ({self.global_batch}), got {self.max_workers}")
-        parse_events(self.events)
+        kinds = {event.kind for event in parse_events(self.events)}
+        if self.autoscale and kinds & set(HAND_DRIVEN_KINDS):
+            raise ConfigError(
+                f"events {', '.join(sorted(kinds & set(HAND_DRIVEN_KINDS)))} need the demo's hand-driven cluster; "
+                "with --autoscale the autoscaler adds nodes and `reclaim@STEP` takes one back as a cloud would "
+                f"(valid with --autoscale: {', '.join(k for k in EVENT_KINDS if k not in HAND_DRIVEN_KINDS)})"
+            )
+        if not self.autoscale and kinds & set(AUTOSCALE_KINDS):
+            raise ConfigError("event reclaim needs --autoscale (a node provider that can take a node back)")
+        if self.idle_timeout_s <= 0:
+            raise ConfigError(f"idle_timeout must be > 0 seconds, got {self.idle_timeout_s}")
+        if self.autoscale:
+            from raytrain.local_autoscaler import load_cluster_yaml
+
+            load_cluster_yaml(self.cluster_yaml)  # a missing or broken file fails before any Ray process
 
     def warnings(self, embedded: bool) -> list[str]:
         """Settings that are valid but cannot take effect as asked (printed before the run starts)."""
         notes = []
-        if embedded and self.max_workers > self.nodes:
+        if embedded and not self.autoscale and self.max_workers > self.nodes:
             notes.append(
                 f"--workers allows {self.max_workers} workers but the demo cluster has {self.nodes} fake nodes with "
                 f"one worker slot each: at most {self.nodes} can run (add --nodes)"
@@ -210,15 +229,96 @@ class FakeCluster:
         self.cluster.shutdown()
 
 
+class AutoscaledNodes:
+    """The demo's cluster with --autoscale: a head that runs Ray's autoscaler over `cluster.yaml`'s node types.
+
+    The autoscaler adds nodes for the trainer's pending demand; `reclaim_node` has the node provider take one back
+    without notice, as a cloud reclaims a spot instance. `poll` reports the nodes that came up or went away."""
+
+    def __init__(self, cluster_yaml: str, idle_timeout_s: float) -> None:
+        from raytrain.local_autoscaler import LocalAutoscalingCluster
+        from raytrain.ray_hooks import FAST_NODE_DEATH
+
+        self.cluster = LocalAutoscalingCluster.from_cluster_yaml(
+            cluster_yaml, idle_timeout_s=idle_timeout_s, system_config=FAST_NODE_DEATH
+        ).start()
+        self.alive: dict[str, str] = {}  # node id -> type, as of the last poll
+        self.history: list[dict[str, Any]] = []  # {"time", "node", "type", "change": "up" | "down"}
+        self.reclaimed: list[dict[str, Any]] = []  # {"time", "node", "type"}
+
+    @property
+    def address(self) -> str:
+        """The GCS address to `ray.init` with."""
+        return self.cluster.address
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        """Node ids that came up and that went away since the last poll (recorded in `history`)."""
+        now, alive = time.time(), self.cluster.worker_nodes()
+        # A node Ray lists before the provider has recorded it (type "?") counts from the next poll on.
+        alive = {node: self.alive.get(node, kind) for node, kind in alive.items() if kind != "?" or node in self.alive}
+        up = sorted(set(alive) - set(self.alive))
+        down = sorted(set(self.alive) - set(alive))
+        for node in up:
+            self.history.append({"time": now, "node": node, "type": alive[node], "change": "up"})
+        for node in down:
+            self.history.append({"time": now, "node": node, "type": self.alive[node], "change": "down"})
+        self.alive = alive
+        return up, down
+
+    def reclaim_node(self, node: str | None = None) -> str:
+        """Have the provider take back `node` (default: the newest worker node) now, without notice."""
+        self.poll()
+        if node is None:
+            if not self.alive:
+                return "no worker node to reclaim"
+            node = max(self.alive)  # provider ids count up: the newest node
+        kind = self.alive.get(node, "?")
+        self.cluster.reclaim(node)
+        self.reclaimed.append({"time": time.time(), "node": node, "type": kind})
+        return f"the provider reclaimed node {node[-5:]} ({kind}), as a cloud takes back a spot instance"
+
+    def remove_node(self, node: Any = None) -> str:
+        """A drain's deadline: the node is reclaimed (the same interface as `FakeCluster.remove_node`)."""
+        return self.reclaim_node(node)
+
+    def add_node(self) -> str:
+        """Not offered: the autoscaler adds nodes (`DemoOptions` refuses `add` events with --autoscale)."""
+        raise ConfigError("with --autoscale the autoscaler adds nodes")
+
+    def drain_node(self, deadline_s: float) -> tuple[str, Any]:
+        """Announce the reclaim of the newest worker node in `deadline_s` seconds (a spot notice)."""
+        from raytrain.ray_hooks import drain_node
+
+        self.poll()
+        node = max(self.alive)
+        drain_node(self.address, node, deadline_s)
+        return f"drain of node {node[-5:]} announced, reclaim in {deadline_s:.0f} s", node
+
+    def wait_for_scale_down(self, timeout_s: float) -> float | None:
+        """Seconds until no worker node is left (the autoscaler removed the idle ones), None after `timeout_s`."""
+        start = time.time()
+        while time.time() - start < timeout_s:
+            self.poll()
+            if not self.alive:
+                return time.time() - start
+            time.sleep(0.5)
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the head (and its autoscaler) and every node the provider started."""
+        self.cluster.shutdown()
+
+
 class EventDriver:
     """Follows metrics.jsonl and applies each event once training reaches its step; records recoveries.
 
     Runs in the main thread (Ray's `Cluster.add_node` installs signal handlers, which only the main thread may).
     """
 
-    def __init__(self, events: list[Event], run_dir: str, cluster: FakeCluster | None) -> None:
+    def __init__(self, events: list[Event], run_dir: str, cluster: FakeCluster | AutoscaledNodes | None) -> None:
         self.pending = list(events)
         self.run_dir, self.cluster = run_dir, cluster
+        self.last_poll = 0.0
         self.applied: list[AppliedEvent] = []
         self.skipped: list[str] = []
         self.timed: list[tuple[float, Any, AppliedEvent]] = []  # a drained node is removed at its deadline
@@ -241,6 +341,9 @@ class EventDriver:
             applied = AppliedEvent(event.kind, event.step, step, time.time(), detail)
             self.timed.append((applied.time + DRAIN_DEADLINE_S, node, applied))
             self.applied.append(applied)
+        elif event.kind == "reclaim":
+            assert isinstance(self.cluster, AutoscaledNodes)
+            detail = self.cluster.reclaim_node()
         else:
             detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
         if event.kind != "drain":
@@ -262,6 +365,17 @@ class EventDriver:
                     applied.recovered_time = first[0]["time"]
                     applied.restored_step = later[0]["step"]
 
+    def _note_autoscaler(self, step: int) -> None:
+        """Record nodes the autoscaler launched as a `grow` event (the restart it causes is then explained)."""
+        assert isinstance(self.cluster, AutoscaledNodes)
+        self.last_poll = time.time()
+        up, _ = self.cluster.poll()
+        if up:
+            types = sorted({self.cluster.alive[node] for node in up})
+            detail = f"the autoscaler added {len(up)} node(s) of type {', '.join(types)}"
+            self.applied.append(AppliedEvent("grow", step, step, time.time(), detail))
+            print(f"[raytrain demo] step {step}: grow: {detail}", file=output(), flush=True)
+
     def follow(self, training: threading.Thread, timeout_s: float) -> None:
         """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""
         metrics_path = os.path.join(self.run_dir, METRICS_FILE)
@@ -280,6 +394,8 @@ class EventDriver:
                     applied.peak_step = max(applied.peak_step, before[-1] if before else 0)
             if self.pending and step >= self.pending[0].step:
                 self._apply(self.pending.pop(0), step)
+            if isinstance(self.cluster, AutoscaledNodes) and time.time() - self.last_poll >= 1.0:
+                self._note_autoscaler(step)
             for due in [t for t in self.timed if t[0] <= time.time()]:
                 self.timed.remove(due)
                 assert self.cluster is not None
@@ -288,6 +404,45 @@ class EventDriver:
                 print(f"[raytrain demo] drain deadline: {detail}", file=output(), flush=True)
             training.join(timeout=0.1)
         self._note_recoveries()
+
+
+def autoscale_summary(
+    metrics: list[dict[str, Any]],
+    starts: list[dict[str, Any]],
+    history: list[dict[str, Any]],
+    reclaimed: list[dict[str, Any]],
+    started: float,
+    max_workers: int,
+    scale_down_s: float | None,
+) -> dict[str, Any]:
+    """What the autoscaler did in an --autoscale run, from the run's metrics and the node history (pure).
+
+    grow_s: from the start of `fit` to the first step at `max_workers`; replace_s: per reclaim, from the reclaim
+    to the first step of a worker group started after it at the world size it had before; scale_down_s: from the
+    end of training to no worker node."""
+
+    def first_full_after(t: float, size: int) -> float | None:
+        group = next((s["time"] for s in starts if s["time"] > t and s["world_size"] >= size), None)
+        later = [m["time"] for m in metrics if group is not None and m["time"] > group and m["world_size"] >= size]
+        return round(later[0] - t, 2) if later else None
+
+    replace = []
+    for event in reclaimed:
+        before = [m["world_size"] for m in metrics if m["time"] <= event["time"]]
+        size = before[-1] if before else max_workers
+        replace.append({**event, "world_size_before": size, "replace_s": first_full_after(event["time"], size)})
+    launched: dict[str, int] = {}
+    for change in history:
+        if change["change"] == "up":
+            launched[change["type"]] = launched.get(change["type"], 0) + 1
+    return {
+        "grow_s": first_full_after(started, max_workers),
+        "replace": replace,
+        "replace_s": [r["replace_s"] for r in replace],
+        "launched_by_type": launched,
+        "node_history": history,
+        "scale_down_s": None if scale_down_s is None else round(scale_down_s, 2),
+    }
 
 
 def audit_epochs(samples_path: str, num_rows: int, completed_epochs: int) -> dict[str, Any]:
@@ -428,14 +583,18 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
     from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, own_state_api
 
     apply_ray_env_defaults()
-    cluster: FakeCluster | None = None
+    cluster: FakeCluster | AutoscaledNodes | None = None
     if external:
         if not ray.is_initialized():
             init_ray()
         resources: dict[str, float] = {"CPU": 1.0}
     else:
         own_state_api(1)  # the fake cluster has no dashboard: Ray's state API answers nothing, never another run
-        cluster = FakeCluster(options.nodes)
+        cluster = (
+            AutoscaledNodes(options.cluster_yaml, options.idle_timeout_s)
+            if options.autoscale
+            else FakeCluster(options.nodes)
+        )
         init_ray(address=cluster.address)
         resources = {"CPU": 1.0, WORKER_SLOT: 1.0}
     features = 16
@@ -490,8 +649,17 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
 
     training = threading.Thread(target=train, name="raytrain-demo-fit", daemon=True)
     training.start()
+    scale_down_s: float | None = None
     try:
         driver.follow(training, options.timeout_s)
+        if isinstance(cluster, AutoscaledNodes) and "error" not in outcome:
+            print(
+                f"[raytrain demo] training done; waiting for the autoscaler to remove the idle worker nodes "
+                f"(idle timeout {options.idle_timeout_s:.0f} s)",
+                file=output(),
+                flush=True,
+            )
+            scale_down_s = cluster.wait_for_scale_down(options.idle_timeout_s + 60.0)
     finally:
         if cluster is not None:
             ray.shutdown()
@@ -516,6 +684,10 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "metrics": result.metrics_path,
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
     }
+    if isinstance(cluster, AutoscaledNodes):
+        summary["autoscale"] = autoscale_summary(
+            metrics, starts, cluster.history, cluster.reclaimed, started, options.max_workers, scale_down_s
+        )
     if options.audit_samples and result.samples_path:
         summary["samples"] = result.samples_path
         summary["audit"] = audit_epochs(result.samples_path, rows, completed_epochs)

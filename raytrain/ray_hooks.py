@@ -155,6 +155,10 @@ FAST_NODE_DEATH = {  # GCS settings for clusters raytrain starts: an unreachable
 }
 
 
+# Ray Train 2.60 controller states in which the controller waits for a scaling decision with no group running.
+WAITING_STATES = ("InitializingState", "RestartingState", "ReschedulingState")
+
+
 class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
     """Runs in the Ray Train controller and makes the first restart after a node loss use the size the cluster can
     hold now. Ray Train's elastic policy sees the cluster through the autoscaling coordinator, which re-reads the
@@ -180,11 +184,22 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
 
     def after_worker_group_poll_status(self, worker_group_status: Any) -> None:
         """Refresh the view when the set of alive nodes changed (checked every `monitor_interval_s`)."""
+        if not worker_group_status.errors:
+            self._refresh_if_nodes_changed()
+
+    def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
+        """While no group runs (waiting for `min_workers`, e.g. until an autoscaler's nodes are up), refresh the
+        view as soon as nodes join, so the group starts at the next decision instead of the coordinator's tick.
+        (The controller calls this after every loop iteration, also when the state did not change.)"""
+        if type(current_state).__name__ in WAITING_STATES:
+            self._refresh_if_nodes_changed()
+
+    def _refresh_if_nodes_changed(self) -> None:
         import time
 
         import ray
 
-        if worker_group_status.errors or time.monotonic() - self._checked_at < self.monitor_interval_s:
+        if time.monotonic() - self._checked_at < self.monitor_interval_s:
             return
         self._checked_at = time.monotonic()
         alive = frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
