@@ -242,6 +242,7 @@ class AutoscaledNodes:
         self.cluster = LocalAutoscalingCluster.from_cluster_yaml(
             cluster_yaml, idle_timeout_s=idle_timeout_s, system_config=FAST_NODE_DEATH
         ).start()
+        self.initial_worker_nodes = len(self.cluster.provider_record())  # cluster.yaml's min_workers (all 0)
         self.alive: dict[str, str] = {}  # node id -> type, as of the last poll
         self.history: list[dict[str, Any]] = []  # {"time", "node", "type", "change": "up" | "down"}
         self.reclaimed: list[dict[str, Any]] = []  # {"time", "node", "type"}
@@ -685,9 +686,12 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
     }
     if isinstance(cluster, AutoscaledNodes):
-        summary["autoscale"] = autoscale_summary(
-            metrics, starts, cluster.history, cluster.reclaimed, started, options.max_workers, scale_down_s
-        )
+        summary["autoscale"] = {
+            "initial_worker_nodes": cluster.initial_worker_nodes,
+            **autoscale_summary(
+                metrics, starts, cluster.history, cluster.reclaimed, started, options.max_workers, scale_down_s
+            ),
+        }
     if options.audit_samples and result.samples_path:
         summary["samples"] = result.samples_path
         summary["audit"] = audit_epochs(result.samples_path, rows, completed_epochs)
