@@ -12,7 +12,7 @@ import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 # Distribution name -> the top-level module it installs, where the two differ.
-MODULE_OF = {"ray[train,default]": "ray"}
+MODULE_OF = {"ray[train,default]": "ray", "pyyaml": "yaml"}
 
 
 def _declared_modules() -> set[str]:
