@@ -10,6 +10,11 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
     add             a node is added, training must go on at W+1
     drain           a node is drained with an 8 s deadline (a spot notice), then removed at the deadline;
                     seconds counted from the removal
+    autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
+                    the start; `autoscale_grow_s` from fit() to the first step at 3 workers (nodes launched for
+                    the trainer's demand), `replace_s` from a node reclaimed by the provider (no notice) to the
+                    first step back at 3 workers (the replacement launched for the pending demand), and
+                    `autoscale_extra_nodes`: nodes launched beyond the 3 needed and the 1 replacement
     bare start      TorchTrainer.fit() -> train_func entered, trivial train_func
     bare restart    SIGKILL of a worker in a trivial train_func -> train_func entered again
     checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
@@ -48,6 +53,21 @@ SCENARIOS = {
     "add": [*ADD_RUN, "--events", "add@6"],
     "drain": [*EVENT_RUN, "--events", "drain@10"],
 }
+AUTOSCALE_RUN = [
+    "--autoscale",
+    "--workers",
+    "1:3",
+    "--steps",
+    "60",
+    "--sample-time",
+    "0.01",
+    "--checkpoint-every",
+    "4",
+    "--events",
+    "reclaim@25",
+    "--idle-timeout",
+    "8",
+]
 FIXED_RUN = ["--nodes", "3", "--workers", "3", "--events", "none", "--steps", "60", "--sample-time", "0.01"]
 MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
 
@@ -81,6 +101,19 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
         "phases_s": start["phases_s"],
         "first_step_s": event["recovered_time"] - start["time"],
         "detail": event["detail"],
+    }
+
+
+def autoscale(storage: str) -> dict[str, Any]:
+    """The --autoscale run's growth, replacement and scale-down times, and the nodes it launched."""
+    auto: dict[str, Any] = demo("autoscale", storage, AUTOSCALE_RUN)["autoscale"]
+    launched = sum(auto["launched_by_type"].values())
+    return {
+        "grow_s": auto["grow_s"],
+        "replace_s": auto["replace_s"][0],
+        "scale_down_s": auto["scale_down_s"],
+        "launched_by_type": auto["launched_by_type"],
+        "extra_nodes": launched - 3 - len(auto["replace"]),
     }
 
 
@@ -178,6 +211,7 @@ def main() -> int:
     print(machine_line(), flush=True)
     rows = {name: recovery(name, storage) for name in SCENARIOS}
     bare = bare_ray_train(storage)
+    auto = autoscale(storage)
     costs = checkpoint_overhead(storage, 1 if args.quick else 3)
 
     print(
@@ -201,6 +235,26 @@ def main() -> int:
             + [
                 ["bare start", "3", f"{bare['start_s']:.1f}", "-", "", "", "", "TorchTrainer.fit() -> train_func"],
                 ["bare restart", "3 -> 3", f"{bare['restart_s']:.1f}", "-", "", "", "", "SIGKILL -> train_func"],
+            ],
+        )
+    )
+    print(
+        table(
+            ["autoscaler", "seconds", "beside, same run", "detail"],
+            [
+                [
+                    "start -> 3 workers",
+                    auto["grow_s"],
+                    f"bare start {bare['start_s']:.1f} s (nodes there)",
+                    "launched " + ", ".join(f"{n} x {t}" for t, n in auto["launched_by_type"].items()),
+                ],
+                [
+                    "reclaim -> back at 3",
+                    auto["replace_s"],
+                    f"node loss {rows['remove']['recovery_s']:.1f} s (to 2)",
+                    f"{auto['extra_nodes']} node(s) launched beyond demand",
+                ],
+                ["training end -> 0 nodes", auto["scale_down_s"], "", "idle timeout 8 s"],
             ],
         )
     )
@@ -230,6 +284,10 @@ def main() -> int:
         "drain_steps_retrained": rows["drain"]["steps_lost"],
         "bare_sigkill_s": round(bare["restart_s"], 2),
         "bare_start_s": round(bare["start_s"], 2),
+        "autoscale_grow_s": auto["grow_s"],
+        "replace_s": auto["replace_s"],
+        "autoscale_scale_down_s": auto["scale_down_s"],
+        "autoscale_extra_nodes": auto["extra_nodes"],
         "checkpoint_overhead_fraction": round(costs["fraction"]["background"], 4),
         "checkpoint_overhead_fraction_sync": round(costs["fraction"]["sync"], 4),
     }
