@@ -8,6 +8,12 @@ The head node runs the driver, Ray Train's controller and Ray Data (2 CPUs); eac
 from a driver thread that follows `metrics.jsonl`: at the first committed-or-current step >= s it removes a node,
 adds one, or SIGKILLs one training worker process. With RAY_ADDRESS set (or under `ray job submit`) the demo
 trains on that cluster instead, and only `kill` events can be applied there.
+
+    raytrain demo --autoscale                       # nodes come from Ray's autoscaler, one spot reclaim
+
+With --autoscale the cluster starts with the head and `cluster.yaml`'s `min_workers` nodes only; Ray's autoscaler
+(v2, over the file's own node types, `raytrain.local_autoscaler`) launches nodes for the trainer's demand,
+replaces a node that `reclaim@STEP` has the node provider take back, and removes idle nodes after training.
 """
 
 from __future__ import annotations
@@ -564,6 +570,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     events = parse_events(options.events)
     run_name = options.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     external = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()
+    if external and options.autoscale:
+        raise ConfigError(
+            "--autoscale starts a cluster of its own (a head with Ray's autoscaler); it cannot run on an existing "
+            f"cluster (RAY_ADDRESS={os.environ.get('RAY_ADDRESS', '')!r}): unset RAY_ADDRESS"
+        )
     for note in options.warnings(embedded=not external):
         print(f"[raytrain demo] warning: {note}", file=output(), flush=True)
     check_ray_address()  # seconds, not minutes, for an address nobody answers at

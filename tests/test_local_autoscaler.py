@@ -125,3 +125,12 @@ def test_autoscale_summary_times_growth_and_replacement_from_the_worker_groups()
     assert summary["scale_down_s"] == 9.5
     never = autoscale_summary(metrics[:2], starts[:2], history, reclaimed, 0.0, 3, None)
     assert never["replace_s"] == [None] and never["scale_down_s"] is None
+
+
+def test_autoscale_refuses_an_existing_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from raytrain.demo import run_demo
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="--autoscale starts a cluster of its own"):
+        run_demo(DemoOptions(autoscale=True, events="reclaim@5", storage=str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
