@@ -18,7 +18,7 @@ from raytrain.local_autoscaler import LocalAutoscalingCluster, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-STEPS = 70
+STEPS = 100  # the fixed-size reference's length; ~10 s of steps after the reclaim leave time to grow back
 
 
 def test_demand_grows_the_cluster_a_reclaimed_node_is_replaced_and_idle_nodes_go(
@@ -31,11 +31,11 @@ def test_demand_grows_the_cluster_a_reclaimed_node_is_replaced_and_idle_nodes_go
         "--workers",
         "1:3",
         "--events",
-        "reclaim@30",
+        "reclaim@40",
         "--steps",
         str(STEPS),
         "--sample-time",
-        "0.01",
+        "0.02",
         "--checkpoint-every",
         "5",
         "--idle-timeout",
