@@ -288,7 +288,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"autoscaler      launched {launched}; at full size {auto['grow_s']} s after the start")
         for item in auto["replace"]:
             lines.append(
-                f"replacement     node {item['node'][-5:]} reclaimed: back at world {item['world_size_before']} "
+                f"replacement     node {item['node'][-8:]} reclaimed: back at world {item['world_size_before']} "
                 f"after {item['replace_s']} s"
             )
         down = auto["scale_down_s"]

@@ -279,10 +279,12 @@ class AutoscaledNodes:
             if not self.alive:
                 return "no worker node to reclaim"
             node = max(self.alive)  # provider ids count up: the newest node
+        from raytrain.ray_hooks import short_node_id
+
         kind = self.alive.get(node, "?")
         self.cluster.reclaim(node)
         self.reclaimed.append({"time": time.time(), "node": node, "type": kind})
-        return f"the provider reclaimed node {node[-5:]} ({kind}), as a cloud takes back a spot instance"
+        return f"the provider reclaimed node {short_node_id(node)} ({kind}), as a cloud takes back a spot instance"
 
     def remove_node(self, node: Any = None) -> str:
         """A drain's deadline: the node is reclaimed (the same interface as `FakeCluster.remove_node`)."""
@@ -294,12 +296,12 @@ class AutoscaledNodes:
 
     def drain_node(self, deadline_s: float) -> tuple[str, Any]:
         """Announce the reclaim of the newest worker node in `deadline_s` seconds (a spot notice)."""
-        from raytrain.ray_hooks import drain_node
+        from raytrain.ray_hooks import drain_node, short_node_id
 
         self.poll()
         node = max(self.alive)
         drain_node(self.address, node, deadline_s)
-        return f"drain of node {node[-5:]} announced, reclaim in {deadline_s:.0f} s", node
+        return f"drain of node {short_node_id(node)} announced, reclaim in {deadline_s:.0f} s", node
 
     def wait_for_scale_down(self, timeout_s: float) -> float | None:
         """Seconds until no worker node is left (the autoscaler removed the idle ones), None after `timeout_s`."""
@@ -326,6 +328,7 @@ class EventDriver:
         self.pending = list(events)
         self.run_dir, self.cluster = run_dir, cluster
         self.last_poll = 0.0
+        self.grown: list[str] = []  # node types of the latest growth not yet followed by a restart
         self.applied: list[AppliedEvent] = []
         self.skipped: list[str] = []
         self.timed: list[tuple[float, Any, AppliedEvent]] = []  # a drained node is removed at its deadline
@@ -377,11 +380,21 @@ class EventDriver:
         assert isinstance(self.cluster, AutoscaledNodes)
         self.last_poll = time.time()
         up, _ = self.cluster.poll()
-        if up:
-            types = sorted({self.cluster.alive[node] for node in up})
-            detail = f"the autoscaler added {len(up)} node(s) of type {', '.join(types)}"
-            self.applied.append(AppliedEvent("grow", step, step, time.time(), detail))
-            print(f"[raytrain demo] step {step}: grow: {detail}", file=output(), flush=True)
+        if not up:
+            return
+        last = self.applied[-1] if self.applied else None
+        if last is not None and last.kind == "grow" and last.recovered_time is None:
+            self.grown.extend(self.cluster.alive[node] for node in up)  # the same growth, before its restart
+        else:
+            self.grown = [self.cluster.alive[node] for node in up]
+            last = AppliedEvent("grow", step, step, time.time(), "")
+            self.applied.append(last)
+        counts = {kind: self.grown.count(kind) for kind in sorted(set(self.grown))}
+        last.detail = f"the autoscaler added {len(self.grown)} node(s): " + ", ".join(
+            f"{n} x {kind}" for kind, n in counts.items()
+        )
+        added = ", ".join(self.cluster.alive[node] for node in up)
+        print(f"[raytrain demo] step {step}: grow: the autoscaler added {added}", file=output(), flush=True)
 
     def follow(self, training: threading.Thread, timeout_s: float) -> None:
         """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""

@@ -217,9 +217,15 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
             time.sleep(0.2)
         if gone:
             waited = time.monotonic() - started
-            names = ", ".join(node[:8] for node in gone)
+            names = ", ".join(short_node_id(node) for node in gone)
             append_line(self.run_dir, f"[raytrain] node {names} lost (marked dead after {waited:.1f} s)")
         refresh_cluster_view()
+
+
+def short_node_id(node_id: str) -> str:
+    """Eight hex digits that tell nodes apart in a log line: Ray's usual prefix, or the suffix for the ids of Ray's
+    fake node provider (`raytrain demo --autoscale`), which all start with f's and count up at the end."""
+    return node_id[-8:] if node_id.startswith("ffffffffffffffff") else node_id[:8]
 
 
 def leaving_nodes(nodes: set[str]) -> set[str]:
@@ -308,4 +314,4 @@ def drain_node(gcs_address: str, node_id_hex: str, deadline_s: float, message: s
         deadline_ms,
     )
     if not accepted:
-        raise RuntimeError(f"the drain of node {node_id_hex[:8]} was not accepted: {why}")
+        raise RuntimeError(f"the drain of node {short_node_id(node_id_hex)} was not accepted: {why}")
