@@ -261,8 +261,6 @@ class AutoscaledNodes:
     def poll(self) -> tuple[list[str], list[str]]:
         """Node ids that came up and that went away since the last poll (recorded in `history`)."""
         now, alive = time.time(), self.cluster.worker_nodes()
-        # A node Ray lists before the provider has recorded it (type "?") counts from the next poll on.
-        alive = {node: self.alive.get(node, kind) for node, kind in alive.items() if kind != "?" or node in self.alive}
         up = sorted(set(alive) - set(self.alive))
         down = sorted(set(self.alive) - set(alive))
         for node in up:

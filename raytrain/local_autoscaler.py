@@ -324,15 +324,13 @@ class LocalAutoscalingCluster:
             return {}
 
     def worker_nodes(self) -> dict[str, str]:
-        """Worker nodes alive in Ray's view: node id -> node type (needs a Ray connection to this cluster)."""
+        """Worker nodes that are alive in Ray's view and listed by the provider: node id -> node type (needs a Ray
+        connection to this cluster). A node Ray lists a moment before the provider has recorded it counts once
+        recorded; a reclaimed node stops counting when the provider takes it back."""
         import ray
 
         types = {node_id: entry["type"] for node_id, entry in self.provider_record().items()}
-        return {
-            n["NodeID"]: types.get(n["NodeID"], "?")
-            for n in ray.nodes()
-            if n["Alive"] and n["NodeID"] != FAKE_HEAD_NODE_ID
-        }
+        return {n["NodeID"]: types[n["NodeID"]] for n in ray.nodes() if n["Alive"] and n["NodeID"] in types}
 
     def reclaim(self, node_id: str) -> None:
         """Ask the provider to take `node_id` back now, without notice (a spot reclaim at its deadline)."""
@@ -341,8 +339,13 @@ class LocalAutoscalingCluster:
 
     def shutdown(self) -> None:
         """Stop the head, then every process of every node the provider started (and still lists)."""
+        import ray
+
         try:
             record = self.provider_record()
+            connected = ray.is_initialized() and self.cluster is not None
+            if connected and ray.get_runtime_context().gcs_address == self.address:
+                ray.shutdown()  # Ray refuses to stop the head a driver of this process is connected to
             if self.cluster is not None:
                 self.cluster.shutdown()  # the autoscaler stops with the head: no node starts after this
             record.update(self.provider_record())
