@@ -515,10 +515,24 @@ def timeline(starts: list[dict[str, Any]], applied: list[AppliedEvent]) -> Timel
     return Timeline(retrained, recoveries, unplanned, t0)
 
 
-def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
+def node_counts(history: list[dict[str, Any]], t0: float) -> tuple[list[float], list[int]]:
+    """(seconds since `t0`, worker nodes alive) after each change of an autoscaler's node history (pure)."""
+    times, counts, alive = [], [], 0
+    for change in sorted(history, key=lambda h: h["time"]):
+        alive += 1 if change["change"] == "up" else -1
+        times.append(change["time"] - t0)
+        counts.append(alive)
+    return times, counts
+
+
+def plot_run(
+    run_dir: str, applied: list[AppliedEvent], path: str, node_history: list[dict[str, Any]] | None = None
+) -> str:
     """Two panels, written as a PNG to `path`: the loss per step (steps trained twice shaded, events marked), and
     the world size over wall-clock time (integer ticks; each event's span until training resumed shaded;
-    restarts no event explains marked with a red x)."""
+    restarts no event explains marked with a red x). With `node_history` (--autoscale) the second panel also
+    draws the worker nodes alive, and the world size of every worker group from its start (a group that
+    trained no step before the next restart shows too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -549,7 +563,18 @@ def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
     loss_axis.set_title(f"raytrain demo: global batch {batches} at every step")
 
     times = [m["time"] - line.t0 for m in metrics]
-    world_axis.step(times, [m["world_size"] for m in metrics], where="post", color="tab:orange")
+    if node_history is None:
+        world_axis.step(times, [m["world_size"] for m in metrics], where="post", color="tab:orange")
+    else:
+        end = times[-1] if times else 0.0
+        group_times = [start["time"] - line.t0 for start in starts] + [end]
+        group_sizes = [start["world_size"] for start in starts]
+        world_axis.step(group_times, [*group_sizes, group_sizes[-1]], where="post", color="tab:orange", label="workers")
+        node_times, nodes = node_counts(node_history, line.t0)
+        world_axis.step(
+            node_times, nodes, where="post", color="tab:green", linestyle="--", label="worker nodes (autoscaler)"
+        )
+        world_axis.legend(loc="upper right", fontsize=8)
     for begin, end, kind in line.recoveries:
         world_axis.axvspan(begin, end, color="tab:gray", alpha=0.2, lw=0)
         world_axis.annotate(
@@ -562,7 +587,8 @@ def plot_run(run_dir: str, applied: list[AppliedEvent], path: str) -> str:
     for when, world in line.unplanned:
         world_axis.plot([when], [world], marker="x", color="tab:red", markersize=9)
     world_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
-    world_axis.set_ylim(0, max([m["world_size"] for m in metrics] + [1]) + 1)
+    sizes = [m["world_size"] for m in metrics] + [s["world_size"] for s in starts]
+    world_axis.set_ylim(0, max([1, *sizes, *node_counts(node_history or [], 0.0)[1]]) + 1)
     world_axis.set_xlabel("seconds since the first start (gray: event until training resumed; x: unplanned restart)")
     world_axis.set_ylabel("workers")
     fig.tight_layout()
@@ -703,7 +729,12 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "restarts": len(starts) - 1,
         "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
         "skipped_events": driver.skipped,
-        "plot": plot_run(run_dir, driver.applied, os.path.join(run_dir, "loss_world_size.png")),
+        "plot": plot_run(
+            run_dir,
+            driver.applied,
+            os.path.join(run_dir, "loss_world_size.png"),
+            cluster.history if isinstance(cluster, AutoscaledNodes) else None,
+        ),
         "metrics": result.metrics_path,
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
     }

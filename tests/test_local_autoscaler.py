@@ -134,3 +134,15 @@ def test_autoscale_refuses_an_existing_cluster(monkeypatch: pytest.MonkeyPatch, 
     with pytest.raises(ConfigError, match="--autoscale starts a cluster of its own"):
         run_demo(DemoOptions(autoscale=True, events="reclaim@5", storage=str(tmp_path)))
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_node_counts_follow_the_autoscalers_history() -> None:
+    from raytrain.demo import node_counts
+
+    history = [
+        {"time": 12.0, "change": "down"},
+        {"time": 10.0, "change": "up"},
+        {"time": 11.0, "change": "up"},
+        {"time": 13.0, "change": "up"},
+    ]
+    assert node_counts(history, 10.0) == ([0.0, 1.0, 2.0, 3.0], [1, 2, 1, 2])
