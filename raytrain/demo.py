@@ -271,17 +271,22 @@ class AutoscaledNodes:
         return up, down
 
     def reclaim_node(self, node: str | None = None) -> str:
-        """Have the provider take back `node` (default: the newest worker node) now, without notice."""
+        """Have the provider take back `node` (default: the newest worker node that hosts a training worker, so
+        the reclaim hits training even when the autoscaler launched a spare) now, without notice."""
+        from raytrain.ray_hooks import nodes_using, short_node_id
+
         self.poll()
+        training = set(self.alive) & nodes_using(WORKER_SLOT)
         if node is None:
             if not self.alive:
                 return "no worker node to reclaim"
-            node = max(self.alive)  # provider ids count up: the newest node
-        from raytrain.ray_hooks import short_node_id
-
+            node = max(training or self.alive)  # provider ids count up: the newest node
         kind = self.alive.get(node, "?")
         self.cluster.reclaim(node)
-        self.reclaimed.append({"time": time.time(), "node": node, "type": kind})
+        # A spare (a node without a training worker, e.g. launched at a restart) can take the reclaimed node's
+        # place at once, and then no launch is needed.
+        spare = len(set(self.alive) - training - {node})
+        self.reclaimed.append({"time": time.time(), "node": node, "type": kind, "spare_nodes": spare})
         return f"the provider reclaimed node {short_node_id(node)} ({kind}), as a cloud takes back a spot instance"
 
     def remove_node(self, node: Any = None) -> str:
@@ -294,10 +299,10 @@ class AutoscaledNodes:
 
     def drain_node(self, deadline_s: float) -> tuple[str, Any]:
         """Announce the reclaim of the newest worker node in `deadline_s` seconds (a spot notice)."""
-        from raytrain.ray_hooks import drain_node, short_node_id
+        from raytrain.ray_hooks import drain_node, nodes_using, short_node_id
 
         self.poll()
-        node = max(self.alive)
+        node = max((set(self.alive) & nodes_using(WORKER_SLOT)) or self.alive)
         drain_node(self.address, node, deadline_s)
         return f"drain of node {short_node_id(node)} announced, reclaim in {deadline_s:.0f} s", node
 

@@ -228,6 +228,20 @@ def short_node_id(node_id: str) -> str:
     return node_id[-8:] if node_id.startswith("ffffffffffffffff") else node_id[:8]
 
 
+def nodes_using(resource: str) -> set[str]:
+    """Ids of the alive nodes where some of `resource` is in use (reserved by a placement group or held by a task
+    or actor), from the GCS's per-node view of available resources."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    available = available_resources_per_node()
+    return {
+        n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"] and available.get(n["NodeID"], {}).get(resource, 0.0) < n["Resources"].get(resource, 0.0)
+    }
+
+
 def leaving_nodes(nodes: set[str]) -> set[str]:
     """Those of `nodes` that are dead, being drained, or whose raylet does not answer (probed in parallel)."""
     from concurrent.futures import ThreadPoolExecutor

@@ -21,12 +21,27 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _sigint_as_in_a_terminal() -> None:
+    # A command started in the background by a shell without job control (`cmd &` in a script, as a CI runner may
+    # run .ci/run) inherits SIGINT *ignored*, and Python then never raises KeyboardInterrupt: the demo would run
+    # to its end. Ctrl-C in a terminal reaches a process whose SIGINT is at its default; give the child that.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     command = ["raytrain", "demo", "--storage", str(tmp_path), "--events", "none", "--nodes", "2", "--workers", "2"]
     command += ["--steps", "400", "--checkpoint-every", "5"]
     launcher = [sys.executable, "-m", "raytrain.cli", *command[1:]]
-    demo = subprocess.Popen(launcher, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    demo = subprocess.Popen(
+        launcher,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
+    )
     try:
 
         def committed_step_10() -> bool:  # checkpoints are committed ~0.5 s after their step

@@ -116,6 +116,12 @@ def test_the_gcs_lists_the_nodes_being_drained() -> None:
     assert parameters(GlobalState.get_draining_nodes) == []
 
 
+def test_the_gcs_view_of_available_resources_per_node() -> None:
+    from ray._private import state
+
+    assert parameters(state.available_resources_per_node) == []
+
+
 def test_the_driver_printer_that_is_made_one_line() -> None:
     import ray._private.worker as ray_worker
 
