@@ -146,3 +146,24 @@ def test_node_counts_follow_the_autoscalers_history() -> None:
         {"time": 13.0, "change": "up"},
     ]
     assert node_counts(history, 10.0) == ([0.0, 1.0, 2.0, 3.0], [1, 2, 1, 2])
+
+
+def test_the_ray_autoscaler_internals_the_local_cluster_relies_on() -> None:
+    # A Ray upgrade that renames one of these fails here by name, in a second, instead of inside the head's
+    # autoscaler process (where the provider runs and its errors only reach Ray's monitor log).
+    import inspect
+
+    from ray._private.node import Node
+    from ray.autoscaler._private.fake_multi_node import node_provider
+    from ray.autoscaler._private.providers import _NODE_PROVIDERS
+
+    provider = node_provider.FakeMultiNodeProvider
+    create = inspect.signature(provider._create_node_with_resources_and_labels).parameters
+    assert list(create) == ["self", "node_config", "tags", "count", "resources", "labels"]
+    for name in ("non_terminated_nodes", "terminate_node", "create_node_with_resources_and_labels"):
+        assert callable(getattr(provider, name)), name
+    assert "RAY_FAKE_CLUSTER" in inspect.getsource(provider.__init__)  # the head must run with it set
+    assert "self._nodes" in inspect.getsource(provider.__init__) and "self.lock" in inspect.getsource(provider.__init__)
+    assert node_provider.FAKE_HEAD_NODE_ID.startswith("ffff")  # `ray_hooks.short_node_id` relies on the f's
+    assert list(inspect.signature(Node.kill_all_processes).parameters)[1:3] == ["check_alive", "allow_graceful"]
+    assert "external" in _NODE_PROVIDERS  # the provider is loaded as provider.type "external", by module path
