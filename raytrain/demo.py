@@ -251,7 +251,7 @@ class AutoscaledNodes:
         self.initial_worker_nodes = len(self.cluster.provider_record())  # cluster.yaml's min_workers (all 0)
         self.alive: dict[str, str] = {}  # node id -> type, as of the last poll
         self.history: list[dict[str, Any]] = []  # {"time", "node", "type", "change": "up" | "down"}
-        self.reclaimed: list[dict[str, Any]] = []  # {"time", "node", "type"}
+        self.reclaimed: list[dict[str, Any]] = []  # {"time", "node", "type", "spare_nodes"}
 
     @property
     def address(self) -> str:
@@ -270,17 +270,27 @@ class AutoscaledNodes:
         self.alive = alive
         return up, down
 
+    def _training_nodes(self) -> set[str]:
+        """The alive worker nodes (as of a fresh poll) that host a training worker."""
+        from raytrain.ray_hooks import nodes_using
+
+        self.poll()
+        return set(self.alive) & nodes_using(WORKER_SLOT)
+
+    def _newest(self, training: set[str]) -> str:
+        """The newest of `training`, or of all alive worker nodes if none trains (provider ids count up)."""
+        return max(training or self.alive)
+
     def reclaim_node(self, node: str | None = None) -> str:
         """Have the provider take back `node` (default: the newest worker node that hosts a training worker, so
         the reclaim hits training even when the autoscaler launched a spare) now, without notice."""
-        from raytrain.ray_hooks import nodes_using, short_node_id
+        from raytrain.ray_hooks import short_node_id
 
-        self.poll()
-        training = set(self.alive) & nodes_using(WORKER_SLOT)
+        training = self._training_nodes()
         if node is None:
             if not self.alive:
                 return "no worker node to reclaim"
-            node = max(training or self.alive)  # provider ids count up: the newest node
+            node = self._newest(training)
         kind = self.alive.get(node, "?")
         self.cluster.reclaim(node)
         # A spare (a node without a training worker, e.g. launched at a restart) can take the reclaimed node's
@@ -299,10 +309,9 @@ class AutoscaledNodes:
 
     def drain_node(self, deadline_s: float) -> tuple[str, Any]:
         """Announce the reclaim of the newest worker node in `deadline_s` seconds (a spot notice)."""
-        from raytrain.ray_hooks import drain_node, nodes_using, short_node_id
+        from raytrain.ray_hooks import drain_node, short_node_id
 
-        self.poll()
-        node = max((set(self.alive) & nodes_using(WORKER_SLOT)) or self.alive)
+        node = self._newest(self._training_nodes())
         drain_node(self.address, node, deadline_s)
         return f"drain of node {short_node_id(node)} announced, reclaim in {deadline_s:.0f} s", node
 

@@ -30,7 +30,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -362,18 +361,6 @@ class LocalAutoscalingCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def wait_for(predicate: Any, timeout_s: float, what: str, poll_s: float = 0.5) -> Any:
-    """Poll `predicate()` until it returns a truthy value (returned); `TimeoutError` naming `what` otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:.0f} s")
-        time.sleep(poll_s)
 
 
 def _free_port() -> int:

@@ -156,7 +156,11 @@ FAST_NODE_DEATH = {  # GCS settings for clusters raytrain starts: an unreachable
 
 
 # Ray Train 2.60 controller states in which the controller waits for a scaling decision with no group running.
-WAITING_STATES = ("InitializingState", "RestartingState", "ReschedulingState")
+WAITING_STATES = (
+    controller_state.InitializingState,
+    controller_state.RestartingState,
+    controller_state.ReschedulingState,
+)
 
 
 class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
@@ -191,7 +195,7 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
         """While no group runs (waiting for `min_workers`, e.g. until an autoscaler's nodes are up), refresh the
         view as soon as nodes join, so the group starts at the next decision instead of the coordinator's tick.
         (The controller calls this after every loop iteration, also when the state did not change.)"""
-        if type(current_state).__name__ in WAITING_STATES:
+        if isinstance(current_state, WAITING_STATES):
             self._refresh_if_nodes_changed()
 
     def _refresh_if_nodes_changed(self) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray_helpers import assert_same_curve, check_invariants, demo
+from ray_helpers import assert_same_curve, check_invariants, demo, wait_for
 
-from raytrain.local_autoscaler import LocalAutoscalingCluster, wait_for
+from raytrain.local_autoscaler import LocalAutoscalingCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -75,14 +75,14 @@ def test_spot_first_then_on_demand_when_the_spot_type_is_at_its_maximum(no_ray_c
         ray.init(address=cluster.address, log_to_driver=False)
         assert cluster.worker_nodes() == {}
         request_resources(bundles=[bundle] * 5)
-        wait_for(lambda: len(cluster.worker_nodes()) >= 5, 120, "5 worker nodes")
+        wait_for("5 worker nodes", lambda: len(cluster.worker_nodes()) >= 5, 120, interval_s=0.5)
         nodes = cluster.worker_nodes()
         assert sorted(nodes.values()) == ["cpu-ondemand"] + ["cpu-spot"] * 4, nodes
         request_resources(bundles=[])
-        wait_for(lambda: not cluster.worker_nodes(), 120, "idle nodes removed")
+        wait_for("idle nodes removed", lambda: not cluster.worker_nodes(), 120, interval_s=0.5)
         ray.shutdown()
         pids = [pid for entry in cluster.provider_record().values() for pid in entry["pids"]]
-    wait_for(lambda: not [pid for pid in pids if _running(pid)], 30, "every node process gone after shutdown")
+    wait_for("every node process gone after shutdown", lambda: not [p for p in pids if _running(p)], 30, 0.5)
 
 
 def _running(pid: int) -> bool:

@@ -63,6 +63,7 @@ def test_the_controller_states_and_the_fields_read_from_them() -> None:
     for name in ("RestartingState", "ReschedulingState", "ErroredState"):
         assert parameters(getattr(state, name).__init__) == ["training_failed_error"]
     assert parameters(state.ResizingState.__init__) == ["scaling_decision"]
+    assert issubclass(state.InitializingState, state.TrainControllerState)  # RefreshClusterView's waiting states
     assert "num_workers" in field_names(ResizeDecision)
 
 
