@@ -183,7 +183,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "--deterministic",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="sample order from (seed, epoch) only, identical at every world size (default: on)",
+        help="Parquet files read in place in an order from (seed, epoch) only, identical at every world size "
+        "(default: on); --no-deterministic streams a Ray dataset instead",
     )
     p.add_argument("--audit-samples", action="store_true", help="write samples.jsonl and check it at the end")
     p.add_argument(

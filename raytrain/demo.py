@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -611,6 +612,23 @@ def plot_run(
     return path
 
 
+def _demo_data(options: DemoOptions, run_name: str, rows: int, features: int) -> Any:
+    """The demo's training data: Parquet files beside the run (written once, 64-row row groups) read in place in
+    the exact order (default), or a Ray dataset streamed with `--no-deterministic`."""
+    from raytrain.parquet_source import ParquetSource
+    from raytrain.toy import regression_dataset, write_regression_parquet
+
+    if not options.deterministic:
+        return regression_dataset(rows, features, options.seed)
+    directory = os.path.join(os.path.abspath(options.storage), f"{run_name}.data")
+    marker = os.path.join(directory, f"rows-{rows}-features-{features}-seed-{options.seed}")
+    if not os.path.exists(marker):
+        shutil.rmtree(directory, ignore_errors=True)
+        write_regression_parquet(directory, rows, features, options.seed, files=4, row_group=64)
+        open(marker, "w").close()
+    return ParquetSource(directory, shuffle_window=4)
+
+
 def run_demo(options: DemoOptions) -> dict[str, Any]:
     """Run the demo end to end and return its summary (also written to <run>/summary.json)."""
     import ray
@@ -642,7 +660,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
     from raytrain.console import init_ray
-    from raytrain.toy import adamw, mlp_factory, regression_dataset, squared_error
+    from raytrain.toy import adamw, mlp_factory, squared_error
     from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, own_state_api
 
     apply_ray_env_defaults()
@@ -666,7 +684,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         model_fn=mlp_factory(features, 256),
         loss_fn=PacedLoss(squared_error, options.sample_time_s),
         optimizer_fn=adamw,
-        datasets={"train": regression_dataset(rows, features, options.seed)},
+        datasets={"train": _demo_data(options, run_name, rows, features)},
         batch=BatchConfig(global_batch=options.global_batch, micro_batch=options.micro_batch),
         lr=LRConfig(base_lr=1e-3, base_batch=64, rule="sqrt", warmup_steps=5),
         loop=LoopConfig(

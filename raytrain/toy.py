@@ -7,6 +7,7 @@ module-level functions) so Ray can ship them to workers by reference.
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 from typing import Any
 
@@ -22,6 +23,32 @@ def regression_arrays(num_rows: int, features: int = 8, seed: int = 0) -> dict[s
     w = rng.normal(size=features).astype(np.float32)
     y = (np.tanh(x @ w) + 0.1 * rng.normal(size=num_rows)).astype(np.float32)
     return {"id": np.arange(num_rows, dtype=np.int64), "x": x, "y": y}
+
+
+def write_regression_parquet(
+    directory: str | os.PathLike[str],
+    num_rows: int,
+    features: int = 8,
+    seed: int = 0,
+    *,
+    files: int = 3,
+    row_group: int = 16,
+) -> list[str]:
+    """Write the regression arrays as `files` Parquet files of row groups of `row_group` rows ("x" a fixed-size list
+    column); returns the paths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arrays = regression_arrays(num_rows, features, seed)
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for part, index in enumerate(np.array_split(np.arange(num_rows), files)):
+        x = pa.FixedSizeListArray.from_arrays(pa.array(arrays["x"][index].reshape(-1)), features)
+        table = pa.table({"id": pa.array(arrays["id"][index]), "x": x, "y": pa.array(arrays["y"][index])})
+        path = os.path.join(os.fspath(directory), f"part-{part:03d}.parquet")
+        pq.write_table(table, path, row_group_size=row_group)
+        paths.append(path)
+    return paths
 
 
 def regression_dataset(num_rows: int, features: int = 8, seed: int = 0) -> Any:

@@ -31,6 +31,7 @@ from raytrain.config import (
 )
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.errors import ConfigError, UserCodeError
+from raytrain.parquet_source import ParquetSource, as_source
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 from raytrain.run_lock import run_lock
 from raytrain.trackers import check_trackers
@@ -198,7 +199,10 @@ class ElasticTrainer:
         optimizer_fn: `optimizer_fn(params, lr=...) -> torch.optim.Optimizer`, or `optimizer_fn(model, lr=...)` when
             its first parameter is named `model` (for parameter groups by name). Groups keep their own options
             and LR ratios under every strategy, zero1 included (see `raytrain.optim`).
-        datasets: {"train": ray.data.Dataset, "val": ray.data.Dataset (optional)}; the columns named in
+        datasets: {"train": ..., "val": ... (optional)}; each a `raytrain.ParquetSource` (or a path / `s3://`
+            URI of Parquet files: read in place by every worker in an exact, W-invariant order with bounded
+            memory; see `raytrain.parquet_source`) or a `ray.data.Dataset` (materialized once in the object
+            store in deterministic mode, streamed with `deterministic=False`). The columns named in
             `required_columns` must exist. The validation set is materialized; its mean loss is reported as
             `val_loss` at every checkpoint.
         batch, lr, loop, checkpoint, cluster: the configuration (see `raytrain.config`).
@@ -241,6 +245,7 @@ class ElasticTrainer:
                 raise ConfigError(f"{name} must be callable or None, got {hook!r}")
         if "train" not in datasets:
             raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
+        datasets = {name: as_source(value) for name, value in datasets.items()}
         self.spec = TrainSpec(
             batch=batch,
             lr=lr,
@@ -249,6 +254,11 @@ class ElasticTrainer:
             cluster=cluster or ClusterConfig(),
             parallel=parallel or ParallelConfig(),
         )
+        if not self.spec.loop.deterministic and isinstance(datasets["train"], ParquetSource):
+            raise ConfigError(
+                "deterministic=False streams a ray.data.Dataset; a ParquetSource (or a path) is always read in the "
+                "exact, W-invariant order: keep deterministic=True, or pass ray.data.read_parquet(...) to stream"
+            )
         if not self.spec.loop.deterministic and not self.spec.loop.id_column:
             raise ConfigError(
                 "id_column must name a column with a unique integer id per sample when deterministic=False: "
@@ -377,9 +387,25 @@ class ElasticTrainer:
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
         val_set = self.datasets.get("val")
+        if isinstance(val_set, ParquetSource):  # small by nature: materialized like a Ray dataset
+            import ray.data
+
+            fs, files = val_set.resolve()
+            val_set = ray.data.read_parquet(files, filesystem=fs)
         val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
         trainer_datasets: dict[str, Any] = {}
-        if spec.loop.deterministic:
+        if isinstance(train, ParquetSource):
+            index = train.index(self.required_columns, spec.loop.id_column)
+            steps_per_epoch(index.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
+            check_numeric_columns(index.head(1000), self.required_columns)
+            self.check_loss_fn(index.head(2))
+            say(
+                f"training data: {len(index.files)} Parquet file(s), {len(index.chunk_rows)} row groups, "
+                f"{index.num_rows} rows, {index.data_bytes / 1e6:.1f} MB; read in place in windows of "
+                f"{index.window_chunks} row groups (~{index.window_bytes / 1e6:.1f} MB)"
+            )
+            job = self._job(run_dir, data=index, val_data=val, num_rows=index.num_rows)
+        elif spec.loop.deterministic:
             data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
             check_numeric_columns(data.head(1000), self.required_columns)

@@ -39,10 +39,13 @@ from raytrain.parallelize import (
     micro_step,
     step_policy,
 )
+from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
 from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
+
+StepSource = ParquetSteps | IndexedSteps | StreamingSteps
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 LRScheduleFn = Callable[[int, int], float]
@@ -62,7 +65,7 @@ class WorkerJob:
     units_fn: UnitsFn | None = None
     trackers: tuple[Any, ...] = ()  # experiment trackers (`raytrain.trackers`), used on rank 0
     meta_init: bool = False  # decided on the driver (`raytrain.model_init.check_init`)
-    data: IndexedData | None = None  # deterministic mode
+    data: ParquetIndex | IndexedData | None = None  # a ParquetSource's partition, or deterministic mode's data
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
 
@@ -198,7 +201,7 @@ class Run:
     lr_ratios: list[float]  # each parameter group's LR relative to the peak
     peak_lr: float
     base_batch: int  # the global batch at which base_lr is right (config, else checkpoint, else this run's)
-    source: IndexedSteps | StreamingSteps
+    source: StepSource
     val_columns: dict[str, np.ndarray] | None
     log: Rank0Log
     state: TrainState
@@ -282,12 +285,24 @@ def _restore(
 
 
 def _step_source(
-    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: np.ndarray
-) -> IndexedSteps | StreamingSteps:
-    """The data of every step for this rank: deterministic mode's indexed order, or the streaming shard."""
+    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: np.ndarray, log: Callable[[str], None]
+) -> StepSource:
+    """The data of every step for this rank: the Parquet order, deterministic mode's indexed order, or the
+    streaming shard."""
     spec = job.spec
+    if isinstance(job.data, ParquetIndex):
+        return ParquetSteps(
+            job.data,
+            seed=spec.loop.seed,
+            plan=plan,
+            rank=rank,
+            device=device,
+            drop_last=spec.batch.drop_last,
+            epochs=spec.loop.epochs,
+            log=log,
+        )
     if spec.loop.deterministic:
-        assert job.data is not None, "deterministic mode needs the driver's IndexedData"
+        assert isinstance(job.data, IndexedData), "deterministic mode needs the driver's IndexedData"
         return IndexedSteps(
             job.data, seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
         )
@@ -304,10 +319,10 @@ def _step_source(
     )
 
 
-def _total_steps(spec: TrainSpec, source: IndexedSteps | StreamingSteps, state: TrainState) -> int | None:
+def _total_steps(spec: TrainSpec, source: StepSource, state: TrainState) -> int | None:
     """The run's length in optimizer steps from the restored position: known in deterministic mode (the data
     size and the global batch give it), else `max_steps` (None when unset)."""
-    if isinstance(source, IndexedSteps):
+    if isinstance(source, IndexedSteps | ParquetSteps):
         return run_total_steps(
             num_rows=source.num_rows,
             global_batch=spec.batch.global_batch,
@@ -390,7 +405,7 @@ def start_run(job: WorkerJob) -> Run:
     if warning:
         log.print(f"WARNING: {warning}")
 
-    source = _step_source(job, plan, rank, device, consumed)
+    source = _step_source(job, plan, rank, device, consumed, log.print)
     run = Run(
         job=job,
         rank=rank,
@@ -524,12 +539,17 @@ def _train(run: Run) -> None:
     metrics: dict[str, Any] = {}
     checkpointed = state.step
     while state.step < max_steps and state.epoch < spec.loop.epochs:
+        asked = time.perf_counter()
         step = run.source.next_step(state.epoch, state.sample_in_epoch)
+        data_wait = time.perf_counter() - asked
         if step is None:  # the epoch is used up; nothing is carried into the next one
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
         try:
             metrics = run_step(run, step)
+            metrics["data_wait_s"] = data_wait
+            if isinstance(run.source, ParquetSteps):
+                metrics["data_held_bytes"] = run.source.stats.held_bytes
         except NonFiniteError:
             # Found by every rank at the same step (agreed by the norm's all-reduce): the checkpoint being
             # written holds the last good state, so every rank completes and commits it before stopping.
@@ -556,6 +576,8 @@ def _train(run: Run) -> None:
         _validate(run, metrics)
         _checkpoint(run, metrics)
     _settle(run)
+    if isinstance(run.source, ParquetSteps):
+        run.source.close()
     if metrics:
         run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:

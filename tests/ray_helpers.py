@@ -4,15 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error
+from raytrain.parquet_source import ParquetSource
+from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error, write_regression_parquet
 from raytrain.trainer import ElasticTrainer
 
 ROWS = 90  # 90 rows at global batch 20: 5 steps per epoch, the last one partial (10 samples)
+
+
+_DATA: dict[int, Path] = {}
+
+
+def parquet_data(rows: int) -> Path:
+    """The regression toy data as 3 Parquet files of 8-row row groups, written once per test process."""
+    if rows not in _DATA:
+        _DATA[rows] = Path(tempfile.mkdtemp(prefix=f"raytrain-test-data-{rows}-"))
+        write_regression_parquet(_DATA[rows], rows, files=3, row_group=8)
+    return _DATA[rows]
 
 
 def make_trainer(
@@ -37,14 +50,22 @@ def make_trainer(
     loss_fn: Any = squared_error,
     max_failures: int = 0,
     id_column: str | None = "id",
+    data: str = "parquet",
     **kwargs: Any,
 ) -> ElasticTrainer:
-    """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails)."""
+    """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails).
+
+    `data`: "parquet" (Parquet files under `tmp`, read in place: the default path) or "ray" (a Ray dataset,
+    materialized in deterministic mode); streaming mode (`deterministic=False`) always takes a Ray dataset."""
+    if data == "parquet" and deterministic:
+        train: Any = ParquetSource(parquet_data(rows), shuffle_window=2)
+    else:
+        train = regression_dataset(rows)
     return ElasticTrainer(
         model_fn=model_fn or mlp_factory(8, 16),
         loss_fn=loss_fn,
         optimizer_fn=optimizer_fn,
-        datasets={"train": regression_dataset(rows)},
+        datasets={"train": train},
         batch=BatchConfig(global_batch=global_batch, micro_batch=micro_batch, drop_last=drop_last),
         lr=lr or LRConfig(base_lr=0.2, warmup_steps=2),
         loop=LoopConfig(

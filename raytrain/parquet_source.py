@@ -1,0 +1,387 @@
+"""The durable data path: training data read straight from Parquet (local, shared or `s3://`), in an exact,
+world-size-independent order, with bounded memory per worker.
+
+    datasets={"train": raytrain.ParquetSource("s3://bucket/train/")}    # or a local directory / file list
+
+On the driver, `ParquetSource.index` reads only the files' footers: the canonical partition is the list of
+(file, row group, rows) with files sorted by path. Every worker then follows `raytrain.sample_order.WindowedOrder`
+(a seeded permutation of row groups, a seeded shuffle of rows within windows of `shuffle_window` row groups): the
+global batch of a step is the next B positions of the epoch's order, and rank r reads the windows its slice
+touches from the files, never from object-store copies that vanish with a node. A background thread loads the
+windows of the next steps ahead of time, looking as many steps ahead as a window load takes (measured), so the
+loop does not wait on data in steady state; windows behind the position are dropped. The checkpoint holds the
+position (epoch, samples consumed in it) only: constant size, and a restart at any world size resumes exactly.
+
+Memory per worker: the windows of its current slice plus at most `MAX_WINDOWS_AHEAD` more, whatever the data
+set's size. Cost: every rank reads every window it touches, so an epoch reads the data set about W times in total (each
+rank's memory stays a few windows); sample ids are the rows' canonical indices unless `id_column` names a column.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raytrain.errors import ConfigError
+from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
+
+
+@dataclass(frozen=True)
+class ParquetSource:
+    """Parquet training data read in place by every worker (see the module docstring).
+
+    Attributes:
+        paths: a file, a directory (all `*.parquet` files below it) or a list of them; local paths or URIs that
+            pyarrow understands (`s3://bucket/prefix`, `gs://...`). Local paths must be visible to every node.
+        filesystem: a `pyarrow.fs.FileSystem` to read `paths` with (e.g. `S3FileSystem(endpoint_override=...)`);
+            None derives it from the URI (credentials from the environment) or uses the local file system.
+        shuffle_window: row groups per shuffle window (>= 1): rows mix within a window, windows come in random
+            order. Memory per worker is about two windows plus the prefetch.
+    """
+
+    paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+    filesystem: Any = None
+    shuffle_window: int = 8
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shuffle_window, bool) or not isinstance(self.shuffle_window, int) or self.shuffle_window < 1:
+            raise ConfigError(f"shuffle_window must be an int >= 1 (row groups), got {self.shuffle_window!r}")
+        paths = [self.paths] if isinstance(self.paths, str | os.PathLike) else list(self.paths)
+        if not paths:
+            raise ConfigError("ParquetSource needs at least one path, got none")
+
+    def resolve(self) -> tuple[Any, list[str]]:
+        """(filesystem, sorted Parquet file paths on it); `ConfigError` for a path that does not exist or holds
+        no Parquet file."""
+        import pyarrow.fs as pafs
+
+        given = [self.paths] if isinstance(self.paths, str | os.PathLike) else list(self.paths)
+        files: list[str] = []
+        fs = self.filesystem
+        for raw in given:
+            path = os.fspath(raw)
+            if fs is None:
+                if "://" in path:
+                    fs, path = pafs.FileSystem.from_uri(path)
+                else:
+                    fs, path = pafs.LocalFileSystem(), os.path.abspath(path)
+            elif "://" in path:
+                path = path.split("://", 1)[1]
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.NotFound:
+                raise ConfigError(f"training data path {os.fspath(raw)!r} does not exist")
+            if info.type == pafs.FileType.Directory:
+                found = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                files += sorted(f.path for f in found if f.is_file and f.path.endswith(".parquet"))
+            else:
+                files.append(path)
+        if not files:
+            raise ConfigError(f"no *.parquet file found under {[os.fspath(p) for p in given]}")
+        return fs, sorted(set(files))
+
+    def index(self, required_columns: Sequence[str], id_column: str | None) -> ParquetIndex:
+        """Read every file's footer (on the driver) and build the canonical partition; `ConfigError` naming a
+        missing column or an empty data set."""
+        import pyarrow.parquet as pq
+
+        fs, files = self.resolve()
+        chunk_file, chunk_group, chunk_rows, chunk_bytes = [], [], [], []
+        names: list[str] | None = None
+        for number, path in enumerate(files):
+            with fs.open_input_file(path) as handle:
+                meta = pq.ParquetFile(handle).metadata
+                schema_names = list(meta.schema.to_arrow_schema().names)
+            if names is None:
+                names = schema_names
+            elif schema_names != names:
+                raise ConfigError(f"{path} has columns {schema_names}, the first file {files[0]} has {names}")
+            for group in range(meta.num_row_groups):
+                rows = meta.row_group(group).num_rows
+                if rows:
+                    chunk_file.append(number)
+                    chunk_group.append(group)
+                    chunk_rows.append(rows)
+                    chunk_bytes.append(meta.row_group(group).total_byte_size)
+        assert names is not None
+        wanted = [*required_columns, *([id_column] if id_column else [])]
+        missing = [c for c in wanted if c not in names]
+        if missing:
+            raise ConfigError(f"training data has no column(s) {missing}; its columns are {names}")
+        if not chunk_rows:
+            raise ConfigError(f"training data {files[:3]} holds no rows")
+        columns = tuple(dict.fromkeys([*required_columns, *([id_column] if id_column else [])])) or tuple(names)
+        return ParquetIndex(
+            filesystem=fs,
+            files=tuple(files),
+            chunk_file=np.array(chunk_file, dtype=np.int64),
+            chunk_group=np.array(chunk_group, dtype=np.int64),
+            chunk_rows=np.array(chunk_rows, dtype=np.int64),
+            chunk_bytes=np.array(chunk_bytes, dtype=np.int64),
+            columns=columns,
+            id_column=id_column,
+            window_chunks=self.shuffle_window,
+        )
+
+
+def as_source(dataset: Any) -> Any:
+    """`dataset` as given, except a path or URI string (or `os.PathLike`), which becomes a `ParquetSource`."""
+    return ParquetSource(dataset) if isinstance(dataset, str | os.PathLike) else dataset
+
+
+@dataclass(frozen=True)
+class ParquetIndex:
+    """The canonical partition of a `ParquetSource` (built on the driver, shipped to workers: a few numbers per
+    row group, nothing per sample)."""
+
+    filesystem: Any
+    files: tuple[str, ...]
+    chunk_file: np.ndarray  # file number of each chunk (row group), in canonical order
+    chunk_group: np.ndarray  # row group number within its file
+    chunk_rows: np.ndarray
+    chunk_bytes: np.ndarray  # uncompressed size from the footer
+    columns: tuple[str, ...]  # the columns read (the required ones and the id column)
+    id_column: str | None
+    window_chunks: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the data set."""
+        return int(self.chunk_rows.sum())
+
+    @property
+    def data_bytes(self) -> int:
+        """Uncompressed bytes of the data set (all columns), from the footers."""
+        return int(self.chunk_bytes.sum())
+
+    @property
+    def window_bytes(self) -> int:
+        """Uncompressed bytes of the largest shuffle window (a bound on any epoch's windows)."""
+        largest = np.sort(self.chunk_bytes)[::-1][: self.window_chunks]
+        return int(largest.sum())
+
+    def order(self, seed: int, epoch: int) -> WindowedOrder:
+        """The sample order of `epoch`."""
+        return WindowedOrder(self.chunk_rows, seed=seed, epoch=epoch, window_chunks=self.window_chunks)
+
+    def read_chunks(
+        self, chunks: Sequence[int] | np.ndarray, files: dict[int, Any] | None = None
+    ) -> dict[str, np.ndarray]:
+        """The rows of `chunks` concatenated in the given order, as numpy columns (plus "__id__" when no id
+        column). `files` caches open `ParquetFile`s by file number."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from ray.data.block import BlockAccessor
+
+        from raytrain.data import _as_array
+
+        files = {} if files is None else files
+        tables = []
+        for chunk in chunks:
+            number = int(self.chunk_file[chunk])
+            if number not in files:
+                files[number] = pq.ParquetFile(self.filesystem.open_input_file(self.files[number]))
+            tables.append(files[number].read_row_group(int(self.chunk_group[chunk]), columns=list(self.columns)))
+        block = BlockAccessor.for_block(pa.concat_tables(tables)).to_numpy()
+        out = {name: _as_array([np.asarray(block[name])]) for name in self.columns}
+        if self.id_column is None:
+            out["__id__"] = np.concatenate(
+                [
+                    canonical_ids(self.chunk_rows, np.full(self.chunk_rows[c], c), np.arange(self.chunk_rows[c]))
+                    for c in chunks
+                ]
+            )
+        return out
+
+    def head(self, rows: int) -> dict[str, np.ndarray]:
+        """The first `rows` rows of the first row group (on the driver, for checks)."""
+        return {k: v[:rows] for k, v in self.read_chunks([0]).items() if k != "__id__"}
+
+
+MAX_WINDOWS_AHEAD = 2  # loaded ahead of the current step at most: a worker holds its step's windows + this many
+
+
+@dataclass
+class _Window:
+    columns: dict[str, np.ndarray]
+    nbytes: int
+
+
+@dataclass
+class PrefetchStats:
+    """What the prefetcher measured (rank-local): window load times, the step interval and the bytes held."""
+
+    load_s: list[float] = field(default_factory=list)
+    held_bytes: int = 0
+    peak_bytes: int = 0
+    lookahead: int = 0
+
+
+class ParquetSteps:
+    """The step source over a `ParquetIndex`: the step at position p of epoch e is positions [p, p + B) of
+    `index.order(seed, e)`, whatever W is; this rank materializes only the rows of its slice."""
+
+    def __init__(
+        self,
+        index: ParquetIndex,
+        *,
+        seed: int,
+        plan: Any,
+        rank: int,
+        device: Any,
+        drop_last: bool,
+        epochs: int,
+        log: Callable[[str], None] = lambda _: None,
+    ) -> None:
+        self.index, self.seed, self.plan, self.rank, self.device = index, seed, plan, rank, device
+        self.drop_last, self.epochs, self.log = drop_last, epochs, log
+        self.num_rows = index.num_rows
+        self.stats = PrefetchStats()
+        self._orders: dict[int, WindowedOrder] = {}
+        self._cache: OrderedDict[tuple[int, int], Future[_Window]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raytrain-prefetch")
+        self._files: dict[int, Any] = {}
+        self._last_call: float | None = None
+        self._intervals: list[float] = []
+        self._told = False
+
+    def _order(self, epoch: int) -> WindowedOrder:
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+            self._orders[epoch] = self.index.order(self.seed, epoch)
+        return self._orders[epoch]
+
+    def _load(self, epoch: int, window: int) -> _Window:
+        began = time.perf_counter()
+        columns = self.index.read_chunks(self._order(epoch).windows[window], self._files)
+        self.stats.load_s.append(time.perf_counter() - began)
+        return _Window(columns, sum(v.nbytes for v in columns.values()))
+
+    def _window(self, epoch: int, window: int) -> Future[_Window]:
+        key = (epoch, window)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = self._pool.submit(self._load, epoch, window)
+            return self._cache[key]
+
+    def _slice(self, epoch: int, begin: int, plan: Any) -> tuple[int, int]:
+        """This rank's positions [start, end) of the step of `plan` that starts at `begin`."""
+        start = begin + plan.rank_offset(self.rank)
+        return start, start + plan.per_rank_samples[self.rank]
+
+    def _lookahead(self) -> int:
+        """Steps to load ahead: as many as a window load takes at the measured step interval, plus one."""
+        if not self._intervals or not self.stats.load_s:
+            return 1
+        interval = float(np.median(self._intervals[-20:]))
+        load = float(np.median(self.stats.load_s[-5:]))
+        return int(min(64, np.ceil(load / max(interval, 1e-4)) + 1))
+
+    def _prefetch(self, epoch: int, sample_in_epoch: int) -> set[tuple[int, int]]:
+        """Start loading the windows of this rank's slices of the next steps; return every window still needed
+        (the current step's and those ahead)."""
+        needed: set[tuple[int, int]] = set()
+        lookahead = self._lookahead()
+        if lookahead != self.stats.lookahead:
+            self.stats.lookahead = lookahead
+            if not self._told and len(self._intervals) >= 5:
+                self._told = True
+                load, step = np.median(self.stats.load_s[-5:]), np.median(self._intervals[-20:])
+                self.log(
+                    f"data prefetch: a window of {self.index.window_chunks} row groups loads in {load:.3f} s, a step "
+                    f"takes {step:.3f} s: reading {lookahead} step(s) ahead"
+                )
+        B = self.plan.global_batch
+        position = sample_in_epoch
+        ahead = 0  # windows beyond the current step's, capped so that memory stays bounded by windows
+        for _ in range(lookahead + 1):
+            if position >= self.num_rows or (self.drop_last and self.num_rows - position < B):
+                epoch, position = epoch + 1, 0
+                if epoch >= self.epochs:
+                    break
+            start, end = self._slice(epoch, position, self.plan)
+            order = self._order(epoch)
+            for window in windows_between(order, start, min(end, self.num_rows)):
+                if (epoch, window) not in needed:
+                    if position != sample_in_epoch:
+                        ahead += 1
+                    if ahead > MAX_WINDOWS_AHEAD:
+                        return needed
+                    needed.add((epoch, window))
+                    self._window(epoch, window)
+            position += B
+        return needed
+
+    def _evict(self, keep: set[tuple[int, int]]) -> None:
+        with self._lock:
+            for key in [k for k in self._cache if k not in keep]:
+                self._cache.pop(key).cancel()
+            held = sum(f.result().nbytes for f in self._cache.values() if f.done() and not f.cancelled())
+        self.stats.held_bytes = held
+        self.stats.peak_bytes = max(self.stats.peak_bytes, held)
+
+    def next_step(self, epoch: int, sample_in_epoch: int) -> Any:
+        """The data of the step that starts at sample `sample_in_epoch` of `epoch`'s order, or None when that
+        epoch has no more steps (nothing left, or less than a global batch left with `drop_last`)."""
+        from raytrain.batch_plan import split_step
+        from raytrain.data import StepData, steps_left_in_epoch, to_tensors
+
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self._intervals.append(now - self._last_call)
+        self._last_call = now
+        if steps_left_in_epoch(self.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
+            return None
+        total = min(self.plan.global_batch, self.num_rows - sample_in_epoch)
+        plan = (
+            self.plan
+            if total == self.plan.global_batch
+            else split_step(total, self.plan.micro_batch_cap, self.plan.world_size)
+        )
+        start, end = self._slice(epoch, sample_in_epoch, plan)
+        order = self._order(epoch)
+        positions = np.arange(start, end, dtype=np.int64)
+        windows = order.window_of(positions)
+        needed = self._prefetch(epoch, sample_in_epoch)
+        rows: dict[str, np.ndarray] = {}
+        for window in windows_between(order, start, end):
+            needed.add((epoch, window))
+            data = self._window(epoch, window).result().columns
+            mask = windows == window
+            index = order.rows_in_window(window, positions[mask])
+            for name, column in data.items():
+                if name not in rows:
+                    rows[name] = np.empty((len(positions), *column.shape[1:]), dtype=column.dtype)
+                rows[name][mask] = column[index]
+        self._evict(needed)
+        if not rows:  # an empty slice (a rank without samples in a final partial step)
+            rows = self.index.head(0)
+        ids = rows.pop("__id__", None) if self.index.id_column is None else rows[self.index.id_column]
+        ids = np.zeros(0, dtype=np.int64) if ids is None else ids
+        batches, offset = [], 0
+        for size in plan.micro_batches[self.rank]:
+            batches.append(to_tensors({k: v[offset : offset + size] for k, v in rows.items()}, self.device))
+            offset += size
+        return StepData(batches, plan, np.asarray(ids, dtype=np.int64))
+
+    def global_ids(self, step: Any) -> np.ndarray:
+        """All ids of `step` in rank order (collective: each rank holds only its own slice's ids)."""
+        from raytrain.collectives import all_gather_objects
+
+        return np.concatenate(all_gather_objects(step.ids))
+
+    def consumed_ids(self) -> np.ndarray:
+        """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""
+        return np.zeros(0, dtype=np.int64)
+
+    def close(self) -> None:
+        """Stop the prefetch threads (pending loads are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
