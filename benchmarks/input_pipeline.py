@@ -1,38 +1,38 @@
 """python benchmarks/input_pipeline.py [--quick] [--reps 2]
 
-Input pipeline: how much of the step time raytrain's loop spends outside the training computation, i.e.
-waiting for the next step's data from Ray Data (plus a little bookkeeping), on a Parquet data set the script
-writes (64 float32 features as Ray's tensor type, an int64 id, a float32 target; 8 files). ElasticTrainer,
-W = 2 CPU workers (gloo), MLP 64 -> 512 -> 512 -> 1, global batch 512 = 2 workers x 4 micro-batches x 64, two
-epochs, in both data modes:
-    streaming      deterministic=False, id_column="id": every step reads from `get_dataset_shard("train")`
-                   (raytrain's exact streaming split + local shuffle buffer) and agrees the step collectively;
-    deterministic  deterministic=True (the default): the Parquet set is read and materialized once before the
-                   workers start; steps are sliced from in-memory numpy columns (the in-memory baseline).
+Input pipeline: how long raytrain's loop waits for data, how much of the data set a worker holds, samples/s
+against a hand-written Ray Data loop, and what the data position costs in a checkpoint.
 
-Method (raytrain exposes no data-wait metric, and this script does not modify raytrain): rank 0 writes one
-metrics line per step with "time" (wall clock when the step finished) and "step_time_s" (the step's forward,
-backward, gradient sync, optimizer step and loss all-reduce). For consecutive steps,
-    wait = (time[s] - time[s-1]) - step_time_s[s]
-is everything in the loop between two training computations: fetching and agreeing the step's data
-(`source.next_step`), the LR update, the per-step seed and the metrics write. It is therefore an upper bound on
-the data wait; the deterministic mode's wait (no Ray Data per step) shows the bookkeeping floor.
-    data_wait_fraction = sum(wait) / sum(time[s] - time[s-1])
-over the steady state: after the first `skip` steps, without the intervals that contain a checkpoint and
-without the first step of the second epoch (each epoch restarts the Ray Data split; that wait is reported
-separately in seconds, and a fraction including it is printed too). The headline is the streaming mode's.
-A wait fraction does not show CPU contention: on this 2-core machine Ray Data's read and split work runs beside
-the training processes and slows the computation itself, so streaming steps/s / deterministic steps/s is
-printed as well.
+Data: a Parquet set the script writes (64 float32 features as Ray's tensor type, an int64 id, a float32 target;
+8 files, row groups of 256 rows). Model: MLP 64 -> 512 -> 512 -> 1, DDP on CPU workers (gloo), global batch 512
+(W x accumulation x micro-batch), two epochs, no checkpoint before the end. Runs, alternated per repetition:
+    parquet W=2, W=3   the default path: `ParquetSource` read in place, windows of 2 row groups (512 rows, the
+                       data set is 80 windows), prefetched in a background thread;
+    materialized W=2   a `ray.data.Dataset` in deterministic mode: loaded whole into every worker;
+    streaming W=2      deterministic=False: `get_dataset_shard` + raytrain's per-step agreement;
+    hand-written W=2   the baseline: a plain `TorchTrainer` loop over `get_dataset_shard("train")
+                       .iter_torch_batches(prefetch_batches=4)` with the same model, accumulation and DDP no_sync.
+
+Measured on rank 0 from metrics.jsonl, in the steady state (after the first `skip` steps, without the first step
+of each epoch):
+    data_wait_fraction = sum(data_wait_s) / sum(interval between consecutive steps)
+where data_wait_s is the loop's real wall time inside `source.next_step` (reading, waiting for a prefetch,
+gathering rows, agreeing the step); samples/s = samples of the steady steps / their wall time (the hand-written
+loop records its own step times the same way);
+    worker_data_bytes_fraction = peak of data_held_bytes (the numpy bytes of training data a rank holds: its
+    windows and prefetched windows) / the data set's bytes in memory.
+Data position in a checkpoint at 1e7 samples: the bytes and time of what each mode writes for it (the position
+modes: the train state's JSON; streaming: the consumed-id set), written for real to a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -41,9 +41,10 @@ from _common import machine_line, median, print_headline, read_jsonl, start_ray,
 from torch import nn
 
 FEATURES, HIDDEN = 64, 512
-WORKERS, MICRO_BATCH, ACCUMULATION = 2, 64, 4
-GLOBAL_BATCH = WORKERS * MICRO_BATCH * ACCUMULATION
-FILES = 8
+MICRO_BATCH, ACCUMULATION = 64, 4
+GLOBAL_BATCH = 512
+FILES, ROW_GROUP, WINDOW = 8, 256, 2
+ROW_BYTES = FEATURES * 4 + 4 + 8  # x, y and the id as numpy arrays
 
 
 def build_model() -> nn.Module:
@@ -63,7 +64,8 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 
 
 def write_parquet(directory: str, rows: int) -> None:
-    """`rows` samples in FILES Parquet files: "id" int64, "x" float32 [FEATURES] (tensor type), "y" float32."""
+    """`rows` samples in FILES Parquet files of ROW_GROUP-row row groups: "id" int64, "x" float32 [FEATURES]
+    (Ray's tensor type), "y" float32."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from ray.data.extensions import ArrowTensorArray
@@ -80,26 +82,33 @@ def write_parquet(directory: str, rows: int) -> None:
                 "y": pa.array(arrays["y"][index]),
             }
         )
-        pq.write_table(table_, os.path.join(directory, f"part-{part:02d}.parquet"))
+        pq.write_table(table_, os.path.join(directory, f"part-{part:02d}.parquet"), row_group_size=ROW_GROUP)
 
 
-def run(storage: str, data_dir: str, name: str, deterministic: bool, epochs: int, every: int) -> dict[str, Any]:
+def run_raytrain(storage: str, data_dir: str, name: str, mode: str, workers: int, epochs: int) -> dict[str, Any]:
+    """One raytrain run; returns rank 0's metrics records and the run's start/end times."""
     import ray.data
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.parquet_source import ParquetSource
     from raytrain.toy import squared_error
     from raytrain.trainer import ElasticTrainer
 
+    train: Any = (
+        ParquetSource(data_dir, shuffle_window=WINDOW) if mode == "parquet" else ray.data.read_parquet(data_dir)
+    )
     trainer = ElasticTrainer(
         model_fn=build_model,
         loss_fn=squared_error,
         optimizer_fn=sgd,
-        datasets={"train": ray.data.read_parquet(data_dir)},
+        datasets={"train": train},
         batch=BatchConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH),
         lr=LRConfig(base_lr=0.01),
-        loop=LoopConfig(epochs=epochs, strategy="ddp", deterministic=deterministic, id_column="id", log_every=10**6),
-        checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=every, keep=2),
-        cluster=ClusterConfig(min_workers=WORKERS, max_workers=WORKERS, max_failures=0),
+        loop=LoopConfig(
+            epochs=epochs, strategy="ddp", deterministic=mode != "streaming", id_column="id", log_every=10**6
+        ),
+        checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=10**6, keep=1),
+        cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=0),
         required_columns=("x", "y"),
     )
     started = time.time()
@@ -107,118 +116,180 @@ def run(storage: str, data_dir: str, name: str, deterministic: bool, epochs: int
     return {"records": read_jsonl(result.metrics_path), "started": started, "ended": time.time()}
 
 
-def summarise(run_: dict[str, Any], skip: int, every: int) -> dict[str, float]:
+def hand_written_loop(config: dict[str, Any]) -> None:
+    """The baseline: what a user writes with Ray Data and DDP by hand (no exactness, no bookkeeping)."""
+    import ray.train
+    import ray.train.torch
+
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(build_model())
+    optimizer = sgd(model.parameters(), lr=0.01)
+    shard = ray.train.get_dataset_shard("train")
+    world = ray.train.get_context().get_world_size()
+    per_rank = GLOBAL_BATCH // world
+    times: list[float] = []
+    for _ in range(config["epochs"]):
+        for batch in shard.iter_torch_batches(batch_size=per_rank, prefetch_batches=4, drop_last=True):
+            optimizer.zero_grad(set_to_none=True)
+            micro = torch.tensor_split(torch.arange(len(batch["y"])), ACCUMULATION)
+            for j, index in enumerate(micro):
+                context = model.no_sync() if j < len(micro) - 1 else torch.enable_grad()
+                with context:
+                    loss = ((model(batch["x"][index]) - batch["y"][index]) ** 2).sum() * world / GLOBAL_BATCH
+                    loss.backward()
+            optimizer.step()
+            times.append(time.time())
+    if ray.train.get_context().get_world_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(times, f)
+
+
+def run_hand_written(storage: str, data_dir: str, workers: int, epochs: int) -> dict[str, Any]:
+    """The baseline run; returns records shaped like raytrain's (time, samples) for the same summary."""
+    import ray.data
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    out = os.path.join(storage, f"hand-written-{time.time_ns()}.json")
+    started = time.time()
+    TorchTrainer(
+        hand_written_loop,
+        train_loop_config={"epochs": epochs, "out": out},
+        datasets={"train": ray.data.read_parquet(data_dir)},
+        scaling_config=ScalingConfig(num_workers=workers),
+        run_config=RunConfig(storage_path=storage, name=f"hand-{time.time_ns()}"),
+    ).fit()
+    with open(out) as f:
+        times = json.load(f)
+    steps_per_epoch = len(times) // epochs
+    records = [
+        {"step": i + 1, "epoch": i // steps_per_epoch, "time": t, "global_batch_size": GLOBAL_BATCH}
+        for i, t in enumerate(times)
+    ]
+    return {"records": records, "started": started, "ended": time.time()}
+
+
+def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, float]:
+    """Steady-state data wait fraction, samples/s and peak data bytes held (see the module docstring)."""
     records = run_["records"]
-    steady_wait = steady_total = epoch_wait = epoch_total = 0.0
-    waits: list[float] = []
+    wait = total = samples = 0.0
     for prev, cur in zip(records[skip:], records[skip + 1 :], strict=False):
-        interval = cur["time"] - prev["time"]
-        wait = interval - cur["step_time_s"]
-        if prev["step"] % every == 0:  # this interval contains a checkpoint
-            continue
         if cur["epoch"] != prev["epoch"]:
-            epoch_wait += wait
-            epoch_total += interval
             continue
-        steady_wait += wait
-        steady_total += interval
-        waits.append(wait)
+        interval = cur["time"] - prev["time"]
+        total += interval
+        wait += cur.get("data_wait_s", float("nan"))
+        samples += cur["global_batch_size"]
+    held = [r["data_held_bytes"] for r in records if "data_held_bytes" in r]
     return {
         "steps": len(records),
-        "steps_per_s": len(waits) / steady_total if steady_total else float("nan"),
-        "step_time_ms": 1000 * median([r["step_time_s"] for r in records[skip:]]),
-        "wait_ms": 1000 * median(waits),
-        "wait_fraction": steady_wait / steady_total if steady_total else float("nan"),
-        "wait_fraction_with_epoch_start": (steady_wait + epoch_wait) / (steady_total + epoch_total)
-        if steady_total + epoch_total
-        else float("nan"),
-        "epoch_start_wait_s": epoch_wait,
+        "wait_fraction": wait / total if total else float("nan"),
+        "samples_per_s": samples / total if total else float("nan"),
+        "data_bytes_fraction": max(held) / data_bytes if held else float("nan"),
         "startup_s": records[0]["time"] - run_["started"] if records else float("nan"),
         "wall_s": run_["ended"] - run_["started"],
     }
 
 
+def position_checkpoint_cost(samples: int) -> dict[str, float]:
+    """Bytes and seconds of writing the data position at `samples` consumed samples: the position modes write the
+    train state (a few numbers as JSON); streaming mode writes the sorted consumed ids (`np.save`, as
+    `raytrain.checkpoint` does), after merging them (`np.union1d`) as `StreamingSteps.consumed_ids` does."""
+    from raytrain.checkpoint import TrainState
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        state = TrainState(step=samples // GLOBAL_BATCH, epoch=0, sample_in_epoch=samples, samples_seen=samples)
+        began = time.perf_counter()
+        path = os.path.join(directory, "state.json")
+        with open(path, "w") as f:
+            json.dump(asdict(state), f)
+        out["position_s"], out["position_bytes"] = time.perf_counter() - began, os.path.getsize(path)
+        ids = np.random.default_rng(0).permutation(samples).astype(np.int64)
+        began = time.perf_counter()
+        merged = np.union1d(ids[: samples // 2], ids[samples // 2 :])
+        path = os.path.join(directory, "consumed_ids.npy")
+        np.save(path, merged)
+        out["streaming_s"], out["streaming_bytes"] = time.perf_counter() - began, os.path.getsize(path)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one short run of each mode (a smoke run)")
-    parser.add_argument("--reps", type=int, default=2, help="repetitions of each mode (default 2)")
+    parser.add_argument("--quick", action="store_true", help="one short parquet run at W=2 (a smoke run)")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions of each run (default 2)")
     args = parser.parse_args()
-    if args.quick:  # streaming only (the headline), one epoch
-        reps, steps_per_epoch, every, skip, epochs, modes = 1, 15, 100, 3, 1, ["streaming"]
+    if args.quick:
+        reps, steps_per_epoch, skip, epochs = 1, 20, 3, 1
+        runs = [("parquet", 2)]
     else:
-        reps, steps_per_epoch, every, skip, epochs = args.reps, 60, 50, 10, 2
-        modes = ["streaming", "deterministic"]
+        reps, steps_per_epoch, skip, epochs = args.reps, 80, 10, 2
+        runs = [("parquet", 2), ("parquet", 3), ("materialized", 2), ("streaming", 2), ("hand-written", 2)]
     rows = steps_per_epoch * GLOBAL_BATCH
+    data_bytes = rows * ROW_BYTES
     wall = time.perf_counter()
     start_ray()
     print(machine_line())
-    results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    results: dict[str, list[dict[str, float]]] = {f"{m} W={w}": [] for m, w in runs}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as storage:
         data_dir = os.path.join(storage, "data")
         write_parquet(data_dir, rows)
         for rep in range(reps):
-            for mode in modes if rep % 2 == 0 else modes[::-1]:
-                run_ = run(storage, data_dir, f"{mode}-{rep}", mode == "deterministic", epochs, every)
-                results[mode].append(summarise(run_, skip, every))
-                print(f"  done {mode}-{rep}: wait fraction {results[mode][-1]['wait_fraction']:.3f}", flush=True)
+            for mode, workers in runs if rep % 2 == 0 else runs[::-1]:
+                key = f"{mode} W={workers}"
+                if mode == "hand-written":
+                    run_ = run_hand_written(storage, data_dir, workers, epochs)
+                else:
+                    run_ = run_raytrain(storage, data_dir, f"{mode}-{workers}-{rep}", mode, workers, epochs)
+                results[key].append(summarise(run_, skip, data_bytes))
+                print(f"  done {key} rep {rep}: wait fraction {results[key][-1]['wait_fraction']:.3f}", flush=True)
     print(machine_line())
     stop_ray()
+    cost = position_checkpoint_cost(10**7)
+    windows = rows // (ROW_GROUP * WINDOW)
     print(
-        f"\nInput pipeline, W = {WORKERS} CPU workers, Parquet {rows:,} rows x {FEATURES} float32 features in "
-        f"{FILES} files, global batch {GLOBAL_BATCH} ({WORKERS} x {ACCUMULATION} x {MICRO_BATCH}), {epochs} epochs "
-        f"of {steps_per_epoch} steps, checkpoint every {every} steps, steady state after step {skip}"
+        f"\nInput pipeline: Parquet {rows:,} rows x {FEATURES} float32 features ({data_bytes / 1e6:.1f} MB in memory) "
+        f"in {FILES} files of {ROW_GROUP}-row row groups ({windows} windows of {WINDOW}), global batch {GLOBAL_BATCH}, "
+        f"micro-batch {MICRO_BATCH}, {epochs} epoch(s) of {steps_per_epoch} steps, steady state after step {skip}"
     )
-    keys = [
-        "wait_fraction",
-        "wait_fraction_with_epoch_start",
-        "epoch_start_wait_s",
-        "wait_ms",
-        "step_time_ms",
-        "steps_per_s",
-        "startup_s",
-        "wall_s",
-    ]
-    headers = [
-        "mode",
-        "run",
-        "wait fraction",
-        "incl. epoch start",
-        "epoch start wait s",
-        "wait median ms",
-        "step_time_s median ms",
-        "steady steps/s",
-        "start-up s",
-        "run wall s",
-    ]
+    keys = ["wait_fraction", "samples_per_s", "data_bytes_fraction", "startup_s", "wall_s"]
+    headers = ["run", "rep", "data wait fraction", "samples/s", "data bytes held / data set", "start-up s", "wall s"]
     out_rows: list[list[Any]] = []
     medians: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        for i, s in enumerate(results[mode]):
-            out_rows.append([mode, i, *(s[k] for k in keys)])
-        medians[mode] = {k: median([s[k] for s in results[mode]]) for k in keys}
-        out_rows.append([mode, "median", *(medians[mode][k] for k in keys)])
+    for key, reps_ in results.items():
+        for i, s in enumerate(reps_):
+            out_rows.append([key, i, *(s[k] for k in keys)])
+        medians[key] = {k: median([s[k] for s in reps_]) for k in keys}
+        out_rows.append([key, "median", *(medians[key][k] for k in keys)])
     print(table(headers, out_rows))
-    ratio = float("nan")
-    if "deterministic" in medians:
-        ratio = medians["streaming"]["steps_per_s"] / medians["deterministic"]["steps_per_s"]
-        print(f"steady-state streaming steps/s / deterministic (in-memory) steps/s = {ratio:.3f}")
     print(
-        "goal for the wait fraction: <= 5 %.\n"
-        "note: wait = interval between two metrics timestamps minus the step's step_time_s: data fetch and the "
-        "collective agreement of the step (streaming), LR update, per-step seed and metrics write; an upper bound "
-        "on the data wait. Start-up (before the first step) is not included."
+        f"data position in a checkpoint at 1e7 samples: position modes {cost['position_bytes']:.0f} bytes in "
+        f"{cost['position_s'] * 1000:.2f} ms; streaming (consumed ids) {cost['streaming_bytes'] / 1e6:.1f} MB in "
+        f"{cost['streaming_s'] * 1000:.0f} ms (merge + write, without the all-gather)"
     )
+    print("goals: data wait fraction <= 0.05 at W = 2 and 3; data bytes held / data set <= 0.1 (parquet)")
     print(f"wall time {time.perf_counter() - wall:.1f} s")
+
+    def pick(key: str, field: str) -> float | None:
+        value = medians.get(key, {}).get(field)
+        return None if value is None or value != value else round(value, 4)
+
+    hand = pick("hand-written W=2", "samples_per_s")
+    parquet2 = pick("parquet W=2", "samples_per_s")
     print_headline(
         {
-            "data_wait_fraction": round(medians["streaming"]["wait_fraction"], 4),
-            "data_wait_fraction_with_epoch_start": round(medians["streaming"]["wait_fraction_with_epoch_start"], 4),
-            "data_wait_fraction_deterministic": round(medians["deterministic"]["wait_fraction"], 4)
-            if "deterministic" in medians
-            else None,
-            "epoch_start_wait_s_streaming": round(medians["streaming"]["epoch_start_wait_s"], 3),
-            "streaming_over_in_memory_steps_per_s": None if math.isnan(ratio) else round(ratio, 3),
-            "mode": "streaming (deterministic=False)",
+            "data_wait_fraction": pick("parquet W=2", "wait_fraction"),
+            "data_wait_fraction_w3": pick("parquet W=3", "wait_fraction"),
+            "worker_data_bytes_fraction": pick("parquet W=2", "data_bytes_fraction"),
+            "data_wait_fraction_materialized": pick("materialized W=2", "wait_fraction"),
+            "data_wait_fraction_streaming": pick("streaming W=2", "wait_fraction"),
+            "samples_per_s_parquet_w2": parquet2,
+            "samples_per_s_hand_written_w2": hand,
+            "parquet_over_hand_written": round(parquet2 / hand, 3) if parquet2 and hand else None,
+            "samples_per_s_streaming_w2": pick("streaming W=2", "samples_per_s"),
+            "position_checkpoint_bytes_1e7": cost["position_bytes"],
+            "streaming_checkpoint_bytes_1e7": cost["streaming_bytes"],
+            "streaming_checkpoint_s_1e7": round(cost["streaming_s"], 3),
             "reps": reps,
         }
     )

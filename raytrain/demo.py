@@ -613,14 +613,14 @@ def plot_run(
 
 
 def _demo_data(options: DemoOptions, run_name: str, rows: int, features: int) -> Any:
-    """The demo's training data: Parquet files beside the run (written once, 64-row row groups) read in place in
-    the exact order (default), or a Ray dataset streamed with `--no-deterministic`."""
+    """The demo's training data: Parquet files in `<storage>/.demo-data/<run>` (written once, 64-row row groups),
+    read in place in the exact order (default), or a Ray dataset streamed with `--no-deterministic`."""
     from raytrain.parquet_source import ParquetSource
     from raytrain.toy import regression_dataset, write_regression_parquet
 
     if not options.deterministic:
         return regression_dataset(rows, features, options.seed)
-    directory = os.path.join(os.path.abspath(options.storage), f"{run_name}.data")
+    directory = os.path.join(os.path.abspath(options.storage), ".demo-data", run_name)
     marker = os.path.join(directory, f"rows-{rows}-features-{features}-seed-{options.seed}")
     if not os.path.exists(marker):
         shutil.rmtree(directory, ignore_errors=True)

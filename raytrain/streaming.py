@@ -60,6 +60,19 @@ def micro_split(take: list[int], micro_batch_cap: int) -> tuple[tuple[int, ...],
     return tuple(tuple(_even_split(t, steps)) for t in take)
 
 
+def sorted_contains(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Which of `ids` are in `sorted_ids` (ascending, non-empty): a binary search per id, O(n log m), instead of
+    `np.isin`, which sorts both arrays at every call (82 ms per 32-row read against 1e7 consumed ids)."""
+    where = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
+    return sorted_ids[where] == ids
+
+
+def merge_sorted(sorted_ids: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """`sorted_ids` with `new` (ids not in it) inserted in order: O(m + n log m), no re-sort of the m old ids."""
+    new = np.sort(np.asarray(new, dtype=np.int64))
+    return np.insert(sorted_ids.astype(np.int64, copy=False), np.searchsorted(sorted_ids, new), new)
+
+
 class StreamingShard:
     """One rank's view of its shard for one epoch: a buffer of rows refilled from the Ray Data iterator, with the
     ids already consumed this epoch filtered out."""
@@ -101,7 +114,7 @@ class StreamingShard:
                 self.exhausted = True
                 break
             if self.consumed.size:
-                keep = ~np.isin(chunk[self.id_column], self.consumed)
+                keep = ~sorted_contains(self.consumed, chunk[self.id_column])
                 chunk = {k: v[keep] for k, v in chunk.items()}
             n = len(chunk[self.id_column])
             if n:
@@ -160,7 +173,7 @@ class StreamingSteps:
         self.empty = empty  # zero-row columns of the dataset
         self.id_column, self.seed, self.plan, self.rank, self.device = id_column, seed, plan, rank, device
         self.shuffle_buffer, self.drop_last = shuffle_buffer, drop_last
-        self.consumed_before = consumed  # ids of the current epoch committed before this (re)start
+        self.consumed_before = consumed  # the epoch's ids of all ranks up to the latest checkpoint (sorted)
         self.consumed_now: list[np.ndarray] = []  # this rank's ids since then
         self._epoch: int | None = None
         self._shard: StreamingShard | None = None
@@ -214,6 +227,12 @@ class StreamingSteps:
         return np.concatenate(all_gather_objects(np.asarray(step.ids, dtype=np.int64)))
 
     def consumed_ids(self) -> np.ndarray:
-        """Sorted ids consumed so far in the current epoch by all ranks (collective); saved in checkpoints."""
+        """Sorted ids consumed so far in the current epoch by all ranks (collective); saved in checkpoints.
+
+        Only the ids consumed since the previous call travel (an all-gather of one checkpoint interval's ids, not
+        of the whole epoch's); every rank merges them into the set it keeps."""
         local = np.concatenate(self.consumed_now) if self.consumed_now else np.zeros(0, dtype=np.int64)
-        return np.union1d(self.consumed_before, np.concatenate(all_gather_objects(local.astype(np.int64))))
+        new = np.concatenate(all_gather_objects(local.astype(np.int64)))
+        self.consumed_before = merge_sorted(self.consumed_before, new)
+        self.consumed_now = []
+        return self.consumed_before

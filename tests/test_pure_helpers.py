@@ -13,7 +13,7 @@ from raytrain.batch_plan import plan_batch
 from raytrain.demo import Event, parse_events
 from raytrain.errors import ConfigError
 from raytrain.rank0 import Rank0Log, progress_bar, resize_line
-from raytrain.streaming import micro_split, take_counts
+from raytrain.streaming import merge_sorted, micro_split, sorted_contains, take_counts
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(1, 64))
@@ -126,3 +126,15 @@ def test_fit_summary_counts_this_invocations_restarts_and_agrees_on_the_epoch(tm
     summary = fit_summary(result, since=15.0)  # a plain rerun of a finished run: one start since, no restart
     assert summary["restarts"] == 0 and summary["world_sizes"] == [2] and summary["resumed_from_step"] == 8
     assert summary["last_epoch"] == 1 and summary["steps"] == 8
+
+
+@given(st.sets(st.integers(0, 200)), st.sets(st.integers(0, 200)))
+def test_consumed_id_bookkeeping_matches_set_operations(old: set[int], new: set[int]) -> None:
+    import numpy as np
+
+    new -= old
+    merged = merge_sorted(np.array(sorted(old), dtype=np.int64), np.array(list(new), dtype=np.int64))
+    assert merged.tolist() == sorted(old | new)
+    if merged.size:
+        probe = np.arange(-1, 202)
+        assert sorted_contains(merged, probe).tolist() == [int(i) in old | new for i in probe]

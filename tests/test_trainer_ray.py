@@ -70,9 +70,7 @@ def test_resume_continues_exactly(ray_local: None, tmp_path: Path, strategy: str
 @pytest.mark.parametrize("data", ["parquet", "ray"])
 def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, tmp_path: Path, data: str) -> None:
     one = read_jsonl(make_trainer(tmp_path, "w1", workers=1, steps=6, data=data).fit().metrics_path)
-    three = read_jsonl(
-        make_trainer(tmp_path, "w3", workers=3, steps=6, strategy="zero3", data=data).fit().metrics_path
-    )
+    three = read_jsonl(make_trainer(tmp_path, "w3", workers=3, steps=6, strategy="zero3", data=data).fit().metrics_path)
     assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in three]
     for a, b in zip(one, three, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
