@@ -45,8 +45,9 @@ def s3() -> Iterator[Any]:
             access_key="testing",
             secret_key="testing",
             region="us-east-1",
+            allow_bucket_creation=True,
         )
-        for _ in range(100):
+        for _ in range(300):
             try:
                 fs.create_dir("train-data")
                 break
