@@ -193,9 +193,10 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
 
 def position_checkpoint_cost(samples: int) -> dict[str, float]:
     """Bytes and seconds of writing the data position at `samples` consumed samples: the position modes write the
-    train state (a few numbers as JSON); streaming mode writes the sorted consumed ids (`np.save`, as
-    `raytrain.checkpoint` does), after merging them (`np.union1d`) as `StreamingSteps.consumed_ids` does."""
+    train state (a few numbers as JSON); streaming mode merges the last checkpoint interval's ids into the sorted
+    set (`StreamingSteps.consumed_ids`) and writes it (`np.save`, as `raytrain.checkpoint` does)."""
     from raytrain.checkpoint import TrainState
+    from raytrain.streaming import merge_sorted
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as directory:
@@ -206,8 +207,10 @@ def position_checkpoint_cost(samples: int) -> dict[str, float]:
             json.dump(asdict(state), f)
         out["position_s"], out["position_bytes"] = time.perf_counter() - began, os.path.getsize(path)
         ids = np.random.default_rng(0).permutation(samples).astype(np.int64)
+        interval = 20 * GLOBAL_BATCH  # the ids of one checkpoint interval (20 steps), merged into the rest
+        before = np.sort(ids[:-interval])
         began = time.perf_counter()
-        merged = np.union1d(ids[: samples // 2], ids[samples // 2 :])
+        merged = merge_sorted(before, ids[-interval:])
         path = os.path.join(directory, "consumed_ids.npy")
         np.save(path, merged)
         out["streaming_s"], out["streaming_bytes"] = time.perf_counter() - began, os.path.getsize(path)

@@ -247,21 +247,30 @@ class ParquetSteps:
         self._orders: dict[int, WindowedOrder] = {}
         self._cache: OrderedDict[tuple[int, int], Future[_Window]] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="raytrain-prefetch")
+        self._order_lock = threading.RLock()
+        self._read_lock = threading.Lock()
+        # Two threads, one job each: the loader reads windows and never waits; the assembler builds the next
+        # step's tensors and waits only for the loader (one shared pool could fill with waiting assemblers).
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data-load")
+        self._assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data-step")
+        self._steps: dict[tuple[int, int], Future[Any]] = {}
         self._files: dict[int, Any] = {}
         self._last_call: float | None = None
         self._intervals: list[float] = []
         self._told = False
 
     def _order(self, epoch: int) -> WindowedOrder:
-        if epoch not in self._orders:
-            self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = self.index.order(self.seed, epoch)
-        return self._orders[epoch]
+        with self._order_lock:
+            if epoch not in self._orders:
+                self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
+                self._orders[epoch] = self.index.order(self.seed, epoch)
+            return self._orders[epoch]
 
     def _load(self, epoch: int, window: int) -> _Window:
         began = time.perf_counter()
-        columns = self.index.read_chunks(self._order(epoch).windows[window], self._files)
+        chunks = self._order(epoch).windows[window]
+        with self._read_lock:  # one reader at a time on the cached file handles
+            columns = self.index.read_chunks(chunks, self._files)
         self.stats.load_s.append(time.perf_counter() - began)
         return _Window(columns, sum(v.nbytes for v in columns.values()))
 
@@ -269,7 +278,7 @@ class ParquetSteps:
         key = (epoch, window)
         with self._lock:
             if key not in self._cache:
-                self._cache[key] = self._pool.submit(self._load, epoch, window)
+                self._cache[key] = self._loader.submit(self._load, epoch, window)
             return self._cache[key]
 
     def _slice(self, epoch: int, begin: int, plan: Any) -> tuple[int, int]:
@@ -321,18 +330,22 @@ class ParquetSteps:
         return needed
 
     def _evict(self, keep: set[tuple[int, int]]) -> None:
+        """Forget the windows not in `keep` (a load in flight finishes and is then freed; none is cancelled, so a
+        step being assembled never loses a window it waits for: it would load it again)."""
         with self._lock:
             for key in [k for k in self._cache if k not in keep]:
-                self._cache.pop(key).cancel()
+                self._cache.pop(key)
             held = sum(f.result().nbytes for f in self._cache.values() if f.done() and not f.cancelled())
         self.stats.held_bytes = held
         self.stats.peak_bytes = max(self.stats.peak_bytes, held)
 
     def next_step(self, epoch: int, sample_in_epoch: int) -> Any:
         """The data of the step that starts at sample `sample_in_epoch` of `epoch`'s order, or None when that
-        epoch has no more steps (nothing left, or less than a global batch left with `drop_last`)."""
-        from raytrain.batch_plan import split_step
-        from raytrain.data import StepData, steps_left_in_epoch, to_tensors
+        epoch has no more steps (nothing left, or less than a global batch left with `drop_last`).
+
+        The step's rows were normally assembled in the background while the previous step trained; this call
+        then only hands them over and queues the assembly of the step after it."""
+        from raytrain.data import steps_left_in_epoch
 
         now = time.perf_counter()
         if self._last_call is not None:
@@ -340,6 +353,31 @@ class ParquetSteps:
         self._last_call = now
         if steps_left_in_epoch(self.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
             return None
+        key = (epoch, sample_in_epoch)
+        needed = self._prefetch(epoch, sample_in_epoch)
+        future = self._steps.pop(key, None) or self._assembler.submit(self._assemble, epoch, sample_in_epoch)
+        self._steps = {k: f for k, f in self._steps.items() if k > key}
+        following = self._following(epoch, sample_in_epoch)
+        if following is not None and following not in self._steps:
+            self._steps[following] = self._assembler.submit(self._assemble, *following)
+        step = future.result()
+        self._evict(needed)
+        if self.device.type != "cpu":
+            step.micro_batches = [{k: v.to(self.device) for k, v in b.items()} for b in step.micro_batches]
+        return step
+
+    def _following(self, epoch: int, sample_in_epoch: int) -> tuple[int, int] | None:
+        """The position of the step after the one at (epoch, sample_in_epoch), None after the run's last epoch."""
+        position = sample_in_epoch + self.plan.global_batch
+        if position >= self.num_rows or (self.drop_last and self.num_rows - position < self.plan.global_batch):
+            return (epoch + 1, 0) if epoch + 1 < self.epochs else None
+        return epoch, position
+
+    def _assemble(self, epoch: int, sample_in_epoch: int) -> Any:
+        """This rank's rows of the step at (epoch, sample_in_epoch) as CPU tensors (runs in the prefetch pool)."""
+        from raytrain.batch_plan import split_step
+        from raytrain.data import StepData, to_tensors
+
         total = min(self.plan.global_batch, self.num_rows - sample_in_epoch)
         plan = (
             self.plan
@@ -350,25 +388,23 @@ class ParquetSteps:
         order = self._order(epoch)
         positions = np.arange(start, end, dtype=np.int64)
         windows = order.window_of(positions)
-        needed = self._prefetch(epoch, sample_in_epoch)
         rows: dict[str, np.ndarray] = {}
         for window in windows_between(order, start, end):
-            needed.add((epoch, window))
             data = self._window(epoch, window).result().columns
             mask = windows == window
-            index = order.rows_in_window(window, positions[mask])
+            with self._order_lock:
+                index = order.rows_in_window(window, positions[mask])
             for name, column in data.items():
                 if name not in rows:
                     rows[name] = np.empty((len(positions), *column.shape[1:]), dtype=column.dtype)
                 rows[name][mask] = column[index]
-        self._evict(needed)
         if not rows:  # an empty slice (a rank without samples in a final partial step)
             rows = self.index.head(0)
         ids = rows.pop("__id__", None) if self.index.id_column is None else rows[self.index.id_column]
         ids = np.zeros(0, dtype=np.int64) if ids is None else ids
         batches, offset = [], 0
         for size in plan.micro_batches[self.rank]:
-            batches.append(to_tensors({k: v[offset : offset + size] for k, v in rows.items()}, self.device))
+            batches.append(to_tensors({k: v[offset : offset + size] for k, v in rows.items()}, "cpu"))
             offset += size
         return StepData(batches, plan, np.asarray(ids, dtype=np.int64))
 
@@ -384,4 +420,5 @@ class ParquetSteps:
 
     def close(self) -> None:
         """Stop the prefetch threads (pending loads are cancelled)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._assembler.shutdown(wait=False, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)
