@@ -205,6 +205,7 @@ class ParquetIndex:
         return {k: v[:rows] for k, v in self.read_chunks([0]).items() if k != "__id__"}
 
 
+STEPS_AHEAD = 4  # this rank's slices of at most this many next steps are assembled ahead (at least 1)
 MAX_WINDOWS_AHEAD = 2  # loaded ahead of the current step at most: a worker holds its step's windows + this many
 
 
@@ -287,9 +288,12 @@ class ParquetSteps:
         return start, start + plan.per_rank_samples[self.rank]
 
     def _lookahead(self) -> int:
-        """Steps to load ahead: as many as a window load takes at the measured step interval, plus one."""
+        """Steps to load ahead: as many as a window load takes at the measured step interval, plus one
+        (re-measured every 10 steps)."""
         if not self._intervals or not self.stats.load_s:
             return 1
+        if len(self._intervals) % 10 and self.stats.lookahead:
+            return self.stats.lookahead
         interval = float(np.median(self._intervals[-20:]))
         load = float(np.median(self.stats.load_s[-5:]))
         return int(min(64, np.ceil(load / max(interval, 1e-4)) + 1))
@@ -357,9 +361,14 @@ class ParquetSteps:
         needed = self._prefetch(epoch, sample_in_epoch)
         future = self._steps.pop(key, None) or self._assembler.submit(self._assemble, epoch, sample_in_epoch)
         self._steps = {k: f for k, f in self._steps.items() if k > key}
-        following = self._following(epoch, sample_in_epoch)
-        if following is not None and following not in self._steps:
-            self._steps[following] = self._assembler.submit(self._assemble, *following)
+        following: tuple[int, int] | None = key
+        for _ in range(min(STEPS_AHEAD, max(1, self.stats.lookahead))):  # steps assembled ahead of time
+            assert following is not None
+            following = self._following(following[0], following[1])
+            if following is None:
+                break
+            if following not in self._steps:
+                self._steps[following] = self._assembler.submit(self._assemble, *following)
         step = future.result()
         self._evict(needed)
         if self.device.type != "cpu":
