@@ -298,40 +298,48 @@ class ParquetSteps:
         load = float(np.median(self.stats.load_s[-5:]))
         return int(min(64, np.ceil(load / max(interval, 1e-4)) + 1))
 
-    def _prefetch(self, epoch: int, sample_in_epoch: int) -> set[tuple[int, int]]:
-        """Start loading the windows of this rank's slices of the next steps; return every window still needed
-        (the current step's and those ahead)."""
-        needed: set[tuple[int, int]] = set()
+    def _prefetch(self, epoch: int, sample_in_epoch: int) -> tuple[set[tuple[int, int]], list[tuple[int, int]]]:
+        """Start loading the windows of this rank's slices of the current and the next steps (as many steps as
+        `_lookahead` says, at most `MAX_WINDOWS_AHEAD` windows beyond the current step's). Returns the windows
+        still needed and the positions of the following steps whose windows are all among them."""
         lookahead = self._lookahead()
-        if lookahead != self.stats.lookahead:
-            self.stats.lookahead = lookahead
-            if not self._told and len(self._intervals) >= 5:
-                self._told = True
-                load, step = np.median(self.stats.load_s[-5:]), np.median(self._intervals[-20:])
-                self.log(
-                    f"data prefetch: a window of {self.index.window_chunks} row groups loads in {load:.3f} s, a step "
-                    f"takes {step:.3f} s: reading {lookahead} step(s) ahead"
-                )
-        B = self.plan.global_batch
-        position = sample_in_epoch
+        self.stats.lookahead = lookahead
+        if not self._told and len(self._intervals) >= 5 and self.stats.load_s:
+            self._told = True
+            load, step = np.median(self.stats.load_s[-5:]), np.median(self._intervals[-20:])
+            self.log(
+                f"data prefetch: a window of {self.index.window_chunks} row groups loads in {load:.3f} s, a step "
+                f"takes {step:.3f} s: reading {lookahead} step(s) ahead"
+            )
+        needed: set[tuple[int, int]] = set()
+        covered: list[tuple[int, int]] = []
+        position: tuple[int, int] | None = (epoch, sample_in_epoch)
         ahead = 0  # windows beyond the current step's, capped so that memory stays bounded by windows
         for _ in range(lookahead + 1):
-            if position >= self.num_rows or (self.drop_last and self.num_rows - position < B):
-                epoch, position = epoch + 1, 0
-                if epoch >= self.epochs:
-                    break
-            start, end = self._slice(epoch, position, self.plan)
-            order = self._order(epoch)
-            for window in windows_between(order, start, min(end, self.num_rows)):
-                if (epoch, window) not in needed:
-                    if position != sample_in_epoch:
+            if position is None:
+                break
+            start, end = self._slice(position[0], position[1], self._plan_at(position[1]))
+            order = self._order(position[0])
+            for window in windows_between(order, start, end):
+                if (position[0], window) not in needed:
+                    if position[1] != sample_in_epoch or position[0] != epoch:
                         ahead += 1
                     if ahead > MAX_WINDOWS_AHEAD:
-                        return needed
-                    needed.add((epoch, window))
-                    self._window(epoch, window)
-            position += B
-        return needed
+                        return needed, covered[1:]
+                    needed.add((position[0], window))
+                    self._window(position[0], window)
+            covered.append(position)
+            position = self._following(*position)
+        return needed, covered[1:]
+
+    def _plan_at(self, sample_in_epoch: int) -> Any:
+        """The batch plan of the step at `sample_in_epoch`: the run's, or the split of an epoch's partial last."""
+        from raytrain.batch_plan import split_step
+
+        total = min(self.plan.global_batch, self.num_rows - sample_in_epoch)
+        if total == self.plan.global_batch:
+            return self.plan
+        return split_step(total, self.plan.micro_batch_cap, self.plan.world_size)
 
     def _evict(self, keep: set[tuple[int, int]]) -> None:
         """Forget the windows not in `keep` (a load in flight finishes and is then freed; none is cancelled, so a
@@ -358,15 +366,10 @@ class ParquetSteps:
         if steps_left_in_epoch(self.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
             return None
         key = (epoch, sample_in_epoch)
-        needed = self._prefetch(epoch, sample_in_epoch)
+        needed, ahead = self._prefetch(epoch, sample_in_epoch)
         future = self._steps.pop(key, None) or self._assembler.submit(self._assemble, epoch, sample_in_epoch)
         self._steps = {k: f for k, f in self._steps.items() if k > key}
-        following: tuple[int, int] | None = key
-        for _ in range(min(STEPS_AHEAD, max(1, self.stats.lookahead))):  # steps assembled ahead of time
-            assert following is not None
-            following = self._following(following[0], following[1])
-            if following is None:
-                break
+        for following in ahead[:STEPS_AHEAD]:  # steps whose windows are kept: assembled ahead of time
             if following not in self._steps:
                 self._steps[following] = self._assembler.submit(self._assemble, *following)
         step = future.result()
@@ -376,7 +379,8 @@ class ParquetSteps:
         return step
 
     def _following(self, epoch: int, sample_in_epoch: int) -> tuple[int, int] | None:
-        """The position of the step after the one at (epoch, sample_in_epoch), None after the run's last epoch."""
+        """The position of the step after the one at (epoch, sample_in_epoch), None after the run's last epoch
+        (the epochs of the run: a run that ends earlier, at max_steps, loads at most a few steps too many)."""
         position = sample_in_epoch + self.plan.global_batch
         if position >= self.num_rows or (self.drop_last and self.num_rows - position < self.plan.global_batch):
             return (epoch + 1, 0) if epoch + 1 < self.epochs else None
@@ -384,15 +388,9 @@ class ParquetSteps:
 
     def _assemble(self, epoch: int, sample_in_epoch: int) -> Any:
         """This rank's rows of the step at (epoch, sample_in_epoch) as CPU tensors (runs in the prefetch pool)."""
-        from raytrain.batch_plan import split_step
         from raytrain.data import StepData, to_tensors
 
-        total = min(self.plan.global_batch, self.num_rows - sample_in_epoch)
-        plan = (
-            self.plan
-            if total == self.plan.global_batch
-            else split_step(total, self.plan.micro_batch_cap, self.plan.world_size)
-        )
+        plan = self._plan_at(sample_in_epoch)
         start, end = self._slice(epoch, sample_in_epoch, plan)
         order = self._order(epoch)
         positions = np.arange(start, end, dtype=np.int64)
