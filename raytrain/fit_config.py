@@ -8,7 +8,8 @@ The file names Python entries for the builders and holds the config fields, one 
     model = "fit_entry.py:model"          # () -> torch.nn.Module
     loss = "fit_entry.py:loss"            # (model, batch) -> Tensor[n]
     optimizer = "fit_entry.py:optimizer"  # (params, lr) or (model, lr) -> torch.optim.Optimizer
-    datasets = "fit_entry.py:datasets"    # () -> {"train": ray.data.Dataset, "val"?: ...}  (called on the driver)
+    datasets = "fit_entry.py:datasets"    # () -> {"train": "s3://..." | path | ParquetSource | ray.data.Dataset,
+                                          #        "val"?: ...}  (called on the driver)
     lr_schedule = "fit_entry.py:schedule" # optional: (step, total_steps) -> factor of the peak LR
     required_columns = ["x", "y"]
 
