@@ -8,11 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
-from raytrain.data import steps_per_epoch
 from raytrain.errors import ConfigError
 from raytrain.parquet_source import MAX_WINDOWS_AHEAD, ParquetIndex, ParquetSource, ParquetSteps, as_source
 from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
@@ -133,9 +132,25 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
     assert as_source(42) == 42
 
 
-@settings(max_examples=20, deadline=None)
-@given(st.integers(21, 90), st.integers(1, 4))
-def test_steps_cover_the_epoch_exactly(rows: int, world: int) -> None:
-    order = WindowedOrder(np.full(-(-rows // 16), 16)[:], seed=0, epoch=0, window_chunks=2)
-    assert order.num_rows >= rows
-    assert steps_per_epoch(rows, 20, False) == -(-rows // 20)
+def test_a_path_is_a_parquet_source_and_streaming_refuses_it(tmp_path: Path) -> None:
+    """`datasets={"train": "<dir>"}` becomes a ParquetSource; streaming mode (which needs a Ray dataset) says so."""
+    from raytrain.config import BatchConfig, LoopConfig, LRConfig
+    from raytrain.toy import mlp_factory, sgd, squared_error
+    from raytrain.trainer import ElasticTrainer
+
+    write_regression_parquet(tmp_path / "data", 10, files=1)
+    common = {
+        "model_fn": mlp_factory(),
+        "loss_fn": squared_error,
+        "optimizer_fn": sgd,
+        "batch": BatchConfig(global_batch=4, micro_batch=2),
+        "lr": LRConfig(base_lr=0.1),
+    }
+    trainer = ElasticTrainer(datasets={"train": str(tmp_path / "data")}, **common)  # type: ignore[arg-type]
+    assert trainer.datasets["train"] == ParquetSource(str(tmp_path / "data"))
+    with pytest.raises(ConfigError, match=r"deterministic=False streams a ray\.data\.Dataset"):
+        ElasticTrainer(
+            datasets={"train": tmp_path / "data"},
+            loop=LoopConfig(deterministic=False, id_column="id"),
+            **common,  # type: ignore[arg-type]
+        )
