@@ -254,7 +254,8 @@ class ParquetSteps:
         # step's tensors and waits only for the loader (one shared pool could fill with waiting assemblers).
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data-load")
         self._assembler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raytrain-data-step")
-        self._steps: dict[tuple[int, int], Future[Any]] = {}
+        self._steps: dict[tuple[int, int], Future[Any]] = {}  # steps being assembled ahead, by position
+        self._handed: tuple[int, int] | None = None  # the position of the step handed over last
         self._files: dict[int, Any] = {}
         self._last_call: float | None = None
         self._intervals: list[float] = []
@@ -347,7 +348,7 @@ class ParquetSteps:
         with self._lock:
             for key in [k for k in self._cache if k not in keep]:
                 self._cache.pop(key)
-            held = sum(f.result().nbytes for f in self._cache.values() if f.done() and not f.cancelled())
+            held = sum(f.result().nbytes for f in self._cache.values() if f.done() and f.exception() is None)
         self.stats.held_bytes = held
         self.stats.peak_bytes = max(self.stats.peak_bytes, held)
 
@@ -356,7 +357,8 @@ class ParquetSteps:
         epoch has no more steps (nothing left, or less than a global batch left with `drop_last`).
 
         The step's rows were normally assembled in the background while the previous step trained; this call
-        then only hands them over and queues the assembly of the step after it."""
+        only hands them over and leaves the planning of the next steps to the assembler thread (`_plan_ahead`),
+        so the training thread does almost nothing here."""
         from raytrain.data import steps_left_in_epoch
 
         now = time.perf_counter()
@@ -366,17 +368,28 @@ class ParquetSteps:
         if steps_left_in_epoch(self.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
             return None
         key = (epoch, sample_in_epoch)
-        needed, ahead = self._prefetch(epoch, sample_in_epoch)
-        future = self._steps.pop(key, None) or self._assembler.submit(self._assemble, epoch, sample_in_epoch)
-        self._steps = {k: f for k, f in self._steps.items() if k > key}
-        for following in ahead[:STEPS_AHEAD]:  # steps whose windows are kept: assembled ahead of time
-            if following not in self._steps:
-                self._steps[following] = self._assembler.submit(self._assemble, *following)
+        with self._lock:
+            self._handed = key
+            future = self._steps.pop(key, None)
+            self._steps = {k: f for k, f in self._steps.items() if k > key}
+        if future is None:
+            future = self._assembler.submit(self._assemble, epoch, sample_in_epoch)
+        self._assembler.submit(self._plan_ahead, epoch, sample_in_epoch)
         step = future.result()
-        self._evict(needed)
         if self.device.type != "cpu":
             step.micro_batches = [{k: v.to(self.device) for k, v in b.items()} for b in step.micro_batches]
         return step
+
+    def _plan_ahead(self, epoch: int, sample_in_epoch: int) -> None:
+        """(In the assembler thread, after the step at `sample_in_epoch` is handed over.) Start the window loads of
+        the next steps, queue the assembly of those whose windows are kept, forget the windows no longer needed."""
+        needed, ahead = self._prefetch(epoch, sample_in_epoch)
+        for following in ahead[:STEPS_AHEAD]:
+            with self._lock:
+                if following in self._steps or (self._handed is not None and following <= self._handed):
+                    continue
+                self._steps[following] = self._assembler.submit(self._assemble, *following)
+        self._evict(needed)
 
     def _following(self, epoch: int, sample_in_epoch: int) -> tuple[int, int] | None:
         """The position of the step after the one at (epoch, sample_in_epoch), None after the run's last epoch
