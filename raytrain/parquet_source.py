@@ -187,6 +187,8 @@ class ParquetIndex:
         for chunk in chunks:
             number = int(self.chunk_file[chunk])
             if number not in files:
+                while len(files) >= OPEN_FILES:  # the oldest handle goes: a data set may have many files
+                    files.pop(next(iter(files)))
                 files[number] = pq.ParquetFile(self.filesystem.open_input_file(self.files[number]))
             tables.append(files[number].read_row_group(int(self.chunk_group[chunk]), columns=list(self.columns)))
         block = BlockAccessor.for_block(pa.concat_tables(tables)).to_numpy()
@@ -205,6 +207,7 @@ class ParquetIndex:
         return {k: v[:rows] for k, v in self.read_chunks([0]).items() if k != "__id__"}
 
 
+OPEN_FILES = 16  # Parquet file handles a worker keeps open (their footers are parsed once)
 STEPS_AHEAD = 4  # this rank's slices of at most this many next steps are assembled ahead (at least 1)
 MAX_WINDOWS_AHEAD = 2  # loaded ahead of the current step at most: a worker holds its step's windows + this many
 
@@ -219,7 +222,7 @@ class _Window:
 class PrefetchStats:
     """What the prefetcher measured (rank-local): window load times, the step interval and the bytes held."""
 
-    load_s: list[float] = field(default_factory=list)
+    load_s: list[float] = field(default_factory=list)  # the latest window loads (seconds)
     held_bytes: int = 0
     peak_bytes: int = 0
     lookahead: int = 0
@@ -258,7 +261,8 @@ class ParquetSteps:
         self._handed: tuple[int, int] | None = None  # the position of the step handed over last
         self._files: dict[int, Any] = {}
         self._last_call: float | None = None
-        self._intervals: list[float] = []
+        self._intervals: list[float] = []  # the latest step intervals (seconds)
+        self._calls = 0
         self._told = False
 
     def _order(self, epoch: int) -> WindowedOrder:
@@ -274,6 +278,7 @@ class ParquetSteps:
         with self._read_lock:  # one reader at a time on the cached file handles
             columns = self.index.read_chunks(chunks, self._files)
         self.stats.load_s.append(time.perf_counter() - began)
+        del self.stats.load_s[:-20]
         return _Window(columns, sum(v.nbytes for v in columns.values()))
 
     def _window(self, epoch: int, window: int) -> Future[_Window]:
@@ -293,7 +298,7 @@ class ParquetSteps:
         (re-measured every 10 steps)."""
         if not self._intervals or not self.stats.load_s:
             return 1
-        if len(self._intervals) % 10 and self.stats.lookahead:
+        if self._calls % 10 and self.stats.lookahead:
             return self.stats.lookahead
         interval = float(np.median(self._intervals[-20:]))
         load = float(np.median(self.stats.load_s[-5:]))
@@ -364,6 +369,8 @@ class ParquetSteps:
         now = time.perf_counter()
         if self._last_call is not None:
             self._intervals.append(now - self._last_call)
+            del self._intervals[:-40]
+            self._calls += 1
         self._last_call = now
         if steps_left_in_epoch(self.num_rows, self.plan.global_batch, self.drop_last, sample_in_epoch) == 0:
             return None

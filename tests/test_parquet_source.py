@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
 from raytrain.errors import ConfigError
-from raytrain.parquet_source import MAX_WINDOWS_AHEAD, ParquetIndex, ParquetSource, ParquetSteps, as_source
+from raytrain.parquet_source import MAX_WINDOWS_AHEAD, OPEN_FILES, ParquetIndex, ParquetSource, ParquetSteps, as_source
 from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
 from raytrain.toy import regression_arrays, write_regression_parquet
 
@@ -154,3 +154,20 @@ def test_a_path_is_a_parquet_source_and_streaming_refuses_it(tmp_path: Path) -> 
             loop=LoopConfig(deterministic=False, id_column="id"),
             **common,  # type: ignore[arg-type]
         )
+
+
+def test_many_files_keep_a_bounded_number_open(tmp_path: Path) -> None:
+    """40 files of 2 row groups: one epoch reads every row once and never holds more than OPEN_FILES handles."""
+    write_regression_parquet(tmp_path / "data", 320, files=40, row_group=4)
+    index = ParquetSource(tmp_path / "data", shuffle_window=3).index(("x", "y"), None)
+    assert len(index.files) == 40 and len(index.chunk_rows) == 80
+    source = ParquetSteps(
+        index, seed=0, plan=plan_batch(16, 4, 1), rank=0, device=torch.device("cpu"), drop_last=False, epochs=1
+    )
+    seen, position = [], 0
+    while (step := source.next_step(0, position)) is not None:
+        seen += step.ids.tolist()
+        position += len(step.ids)
+        assert len(source._files) <= OPEN_FILES
+    source.close()
+    assert sorted(seen) == list(range(320))
