@@ -121,6 +121,14 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {err}") from None
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a log line: '512 B', '24.1 KB', '3.2 MB', '1.5 GB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def connect_ray(local_cpus: int = 1) -> None:
     """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
     `local_cpus` logical CPUs; never join another process's cluster found in /tmp/ray. No-op when connected.
@@ -401,8 +409,8 @@ class ElasticTrainer:
             self.check_loss_fn(index.head(2))
             say(
                 f"training data: {len(index.files)} Parquet file(s), {len(index.chunk_rows)} row groups, "
-                f"{index.num_rows} rows, {index.data_bytes / 1e6:.1f} MB; read in place in windows of "
-                f"{index.window_chunks} row groups (~{index.window_bytes / 1e6:.1f} MB)"
+                f"{index.num_rows} rows, {_size(index.data_bytes)}; read in place in windows of "
+                f"{index.window_chunks} row groups (<= {_size(index.window_bytes)} each)"
             )
             job = self._job(run_dir, data=index, val_data=val, num_rows=index.num_rows)
         elif spec.loop.deterministic:
