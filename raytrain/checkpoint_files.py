@@ -1,4 +1,5 @@
-"""The checkpoint directories of a run on disk: finding them, proving them whole, and reading them safely.
+"""The checkpoint directories of a run, on disk or object storage: finding them, proving them whole, and reading
+them safely.
 
     manifest.json   rank 0 writes it last: every file of the checkpoint (all ranks' shards included) and its size
 
@@ -16,7 +17,7 @@ import io
 import json
 import os
 import pickle
-import shutil
+import posixpath
 from typing import Any
 
 import torch
@@ -29,14 +30,26 @@ MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"
 
 
-def read_step(directory: str) -> int:
-    """The step a checkpoint directory was written at (its train state only; nothing is loaded)."""
-    with open(os.path.join(directory, STATE_FILE)) as f:
-        return int(json.load(f).get("step", 0))
+def _fs(fs: Any) -> Any:
+    """`fs`, or the local file system for None."""
+    import pyarrow.fs as pafs
+
+    return fs if fs is not None else pafs.LocalFileSystem()
+
+
+def _read(fs: Any, path: str) -> bytes:
+    with fs.open_input_stream(path) as f:
+        return bytes(f.read())
+
+
+def read_step(directory: str, fs: Any = None) -> int:
+    """The step a checkpoint directory (on the pyarrow filesystem `fs`, None: local) was written at (its train
+    state only; nothing is loaded)."""
+    return int(json.loads(_read(_fs(fs), posixpath.join(directory, STATE_FILE))).get("step", 0))
 
 
 def file_sizes(directory: str) -> dict[str, int]:
-    """Name -> size of the files directly in `directory`."""
+    """Name -> size of the files directly in the local `directory`."""
     return {
         entry.name: entry.stat().st_size
         for entry in os.scandir(directory)
@@ -50,84 +63,96 @@ def write_manifest(directory: str, files: dict[str, int]) -> None:
         json.dump({"files": files}, f)
 
 
-def verify(directory: str) -> str | None:
-    """Why the checkpoint in `directory` cannot be loaded (a file missing or shorter than written, metadata that
-    does not parse), or None when it is whole. Reads sizes and the small metadata file only."""
-    path = os.path.join(directory, MANIFEST_FILE)
-    if not os.path.isdir(directory):
+def verify(directory: str, fs: Any = None) -> str | None:
+    """Why the checkpoint in `directory` (on the pyarrow filesystem `fs`, None: local) cannot be loaded (a file
+    missing or shorter than written, metadata that does not parse), or None when it is whole. Reads sizes and the
+    small metadata file only: nothing is downloaded from object storage but those."""
+    import pyarrow.fs as pafs
+
+    fs = _fs(fs)
+    if fs.get_file_info(directory).type != pafs.FileType.Directory:
         return "the directory is missing"
-    if not os.path.exists(path):
-        if _written_before_manifests(directory):
+    try:
+        expected: dict[str, int] = json.loads(_read(fs, posixpath.join(directory, MANIFEST_FILE)))["files"]
+    except FileNotFoundError:
+        if _written_before_manifests(directory, fs):
             return None  # raytrain 0.1 wrote no manifest: nothing to check sizes against
         return "no manifest.json (the save did not finish)"
-    try:
-        with open(path) as f:
-            expected: dict[str, int] = json.load(f)["files"]
     except (OSError, ValueError, KeyError) as err:
         return f"manifest.json is unreadable ({err})"
-    for name, size in sorted(expected.items()):
-        file = os.path.join(directory, name)
-        if not os.path.exists(file):
+    names = sorted(expected)
+    for name, info in zip(names, fs.get_file_info([posixpath.join(directory, n) for n in names]), strict=True):
+        if info.type == pafs.FileType.NotFound:
             return f"{name} is missing"
-        actual = os.path.getsize(file)
-        if actual != size:
-            return f"{name} has {actual} of its {size} bytes"
+        if info.size != expected[name]:
+            return f"{name} has {info.size} of its {expected[name]} bytes"
     try:
-        _read_metadata(os.path.join(directory, METADATA_FILE))
+        _parse_metadata(_read(fs, posixpath.join(directory, METADATA_FILE)), directory)
     except Exception as err:
         return f"{METADATA_FILE} does not parse ({type(err).__name__}: {err})"
     return None
 
 
-def _written_before_manifests(directory: str) -> bool:
+def _written_before_manifests(directory: str, fs: Any) -> bool:
     """A checkpoint of raytrain 0.1: a readable train state without `format_version` (and DCP metadata)."""
+    import pyarrow.fs as pafs
+
     try:
-        with open(os.path.join(directory, STATE_FILE)) as f:
-            state = json.load(f)
+        state = json.loads(_read(fs, posixpath.join(directory, STATE_FILE)))
     except (OSError, ValueError):
         return False
-    return "format_version" not in state and os.path.exists(os.path.join(directory, METADATA_FILE))
+    metadata = fs.get_file_info(posixpath.join(directory, METADATA_FILE))
+    return "format_version" not in state and metadata.type == pafs.FileType.File
 
 
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's controller: its committed checkpoints
 
 
-def latest_committed(run_dir: str) -> tuple[int, str] | None:
-    """(step, path) of the checkpoint Ray Train has committed last for the run in `run_dir`, the one a restart
-    restores, from the record Ray Train's controller keeps in the run directory; None when there is none (or the
-    record cannot be read). A newer checkpoint directory may exist: reported, never committed."""
+def latest_committed(run_dir: str, fs: Any = None) -> tuple[int, str] | None:
+    """(step, path) of the checkpoint Ray Train has committed last for the run in `run_dir` (on the pyarrow
+    filesystem `fs`, None: local), the one a restart restores, from the record Ray Train's controller keeps in the
+    run directory; None when there is none (or the record cannot be read). A newer checkpoint directory may
+    exist: reported, never committed."""
+    fs = _fs(fs)
     try:
-        with open(os.path.join(run_dir, RAY_SNAPSHOT_FILE)) as f:
-            latest = json.load(f).get("latest_checkpoint_result") or {}
-        path = os.path.join(run_dir, latest["checkpoint_dir_name"])
-        return read_step(path), path
+        latest = json.loads(_read(fs, posixpath.join(run_dir, RAY_SNAPSHOT_FILE))).get("latest_checkpoint_result")
+        path = posixpath.join(run_dir, (latest or {})["checkpoint_dir_name"])
+        return read_step(path, fs), path
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def checkpoint_dirs(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint directory in `run_dir` whose train state can be read, oldest step first.
-    A directory without one (a save cut short) is left out."""
+def checkpoint_dirs(run_dir: str, fs: Any = None) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `run_dir` (on the pyarrow filesystem `fs`, None: local) whose
+    train state can be read, oldest step first. A directory without one (a save cut short) is left out."""
+    import pyarrow.fs as pafs
+
+    fs = _fs(fs)
     found: list[tuple[int, str]] = []
-    if not os.path.isdir(run_dir):
+    try:
+        entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+    except OSError:  # run_dir is a file
         return found
-    for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if name.startswith("checkpoint_") and os.path.isdir(path):
+    for entry in entries:
+        if entry.base_name.startswith("checkpoint_") and entry.type == pafs.FileType.Directory:
             try:
-                found.append((read_step(path), path))
+                found.append((read_step(entry.path, fs), entry.path))
             except (OSError, ValueError):
                 continue
     return sorted(found)
 
 
-def remove_uncommitted(run_dir: str, latest_committed_step: int) -> list[str]:
+def remove_uncommitted(run_dir: str, latest_committed_step: int, fs: Any = None) -> list[str]:
     """Delete the checkpoint directories of steps after `latest_committed_step`: written by a worker group that
     failed before Ray committed them, so that Ray's `num_to_keep`, which only counts what it committed, leaves no
     more than that on disk. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
-    removed = [path for step, path in checkpoint_dirs(run_dir) if step > latest_committed_step]
+    fs = _fs(fs)
+    removed = [path for step, path in checkpoint_dirs(run_dir, fs) if step > latest_committed_step]
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        try:
+            fs.delete_dir(path)
+        except OSError:
+            continue
     return removed
 
 
@@ -155,12 +180,16 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which raytrain does not load")
 
 
+def _parse_metadata(data: bytes, where: str) -> Metadata:
+    metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError(f"{where} does not hold DCP metadata")
+    return metadata
+
+
 def _read_metadata(path: str) -> Metadata:
     with open(path, "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError(f"{path} does not hold DCP metadata")
-    return metadata
+        return _parse_metadata(f.read(), path)
 
 
 class SafeReader(FileSystemReader):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import posixpath
 import sys
 import time
 from collections.abc import Sequence
@@ -352,7 +353,8 @@ def _run_fit(args: argparse.Namespace) -> int:
 
     job = parse_fit_config(args.config, _fit_overrides(args))
     args.run_dir = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
-    check_resumable(args.run_dir)
+    args.checkpoint = job.spec.checkpoint
+    check_resumable(job.spec)
     if args.dry_run:
         print(describe_plan(job))
         return 0
@@ -423,12 +425,18 @@ def _resume_hint(args: argparse.Namespace) -> str:
     import shlex
 
     from raytrain.checkpoint_files import latest_committed
+    from raytrain.storage import run_storage
 
     run_dir = getattr(args, "run_dir", None)
-    found = latest_committed(run_dir) if run_dir else None
+    checkpoint = getattr(args, "checkpoint", None)  # `raytrain fit`: its storage may be object storage
+    storage = run_storage(checkpoint) if checkpoint is not None else None
+    where = storage.uri if storage is not None else run_dir
+    found = latest_committed(storage.path, storage.fs) if storage else latest_committed(run_dir) if run_dir else None
     if found is None:
-        return "no checkpoint was committed yet" + (f" in {run_dir}" if run_dir else "")
+        return "no checkpoint was committed yet" + (f" in {where}" if where else "")
     step, path = found
+    if storage is not None:
+        path = f"{storage.uri}/{posixpath.basename(path)}"
     command = ["raytrain", *sys.argv[1:]]
     if args.command == "demo" and "--run-name" not in command:
         command += ["--run-name", args.run_name]

@@ -218,9 +218,16 @@ class CheckpointConfig:
     """Where results go and how often training state is committed.
 
     Attributes:
-        storage_path: a local directory (created if missing; must be writable) or a URI Ray Train accepts.
+        storage_path: where checkpoints go: a local or shared directory (created if missing; must be writable), or
+            object storage as a URI pyarrow opens (`s3://bucket/prefix`, `gs://...`; options such as
+            `?endpoint_override=host:port&scheme=http` in the URI, credentials from the environment; or pass
+            `ElasticTrainer(storage_filesystem=...)`). On a multi-node cluster: shared or object storage.
         run_name: the run directory under `storage_path`; a rerun with the same name resumes from its latest
             checkpoint.
+        log_dir: where the run's own files go when `storage_path` is a URI: `<log_dir>/<run_name>` holds
+            metrics.jsonl, events.jsonl, samples.jsonl, raytrain.log and the run lock (appended line by line,
+            which object storage cannot do). Rank 0 writes the metrics on its node: on a multi-node cluster make
+            it a shared directory. Unused for a local `storage_path` (the run directory holds them).
         every_steps: commit a checkpoint every this many optimizer steps, and always at the end (>= 1). At most
             this many steps of work are lost to a failure, plus the steps trained while the latest checkpoint was
             being written and committed (usually one, see `background_save`).
@@ -236,6 +243,7 @@ class CheckpointConfig:
 
     storage_path: str = "raytrain_runs"
     run_name: str = "run"
+    log_dir: str = "raytrain_runs"
     every_steps: int = 50
     keep: int = 2
     wait_for_commit: bool = True
@@ -253,8 +261,9 @@ class CheckpointConfig:
         return "://" not in self.storage_path
 
     def run_dir(self) -> str:
-        """Absolute path of the run directory (local storage only)."""
-        return os.path.join(os.path.abspath(self.storage_path), self.run_name)
+        """Absolute path of the run's local directory: its files (metrics, events, log, lock) and, for a local
+        `storage_path`, its checkpoints."""
+        return os.path.join(os.path.abspath(self.storage_path if self.is_local else self.log_dir), self.run_name)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,7 @@ from ray.autoscaler._private.fake_multi_node.node_provider import FAKE_HEAD_NODE
 from ray.autoscaler.tags import TAG_RAY_USER_NODE_TYPE
 
 from raytrain.errors import ConfigError
+from raytrain.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ class LocalAutoscalingCluster:
         config_path = os.path.join(self.control_dir, "autoscaling.json")
         try:
             self.cluster = Cluster()
-            port = _free_port()
+            port = free_port("")
             address = f"{_node_ip()}:{port}"
             with open(config_path, "w") as f:
                 json.dump(
@@ -361,14 +362,6 @@ class LocalAutoscalingCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _node_ip() -> str:

@@ -111,13 +111,13 @@ class ParquetSource:
                     chunk_rows.append(rows)
                     chunk_bytes.append(meta.row_group(group).total_byte_size)
         assert names is not None
-        wanted = [*required_columns, *([id_column] if id_column else [])]
+        wanted = tuple(dict.fromkeys([*required_columns, *([id_column] if id_column else [])]))
         missing = [c for c in wanted if c not in names]
         if missing:
             raise ConfigError(f"training data has no column(s) {missing}; its columns are {names}")
         if not chunk_rows:
             raise ConfigError(f"training data {files[:3]} holds no rows")
-        columns = tuple(dict.fromkeys([*required_columns, *([id_column] if id_column else [])])) or tuple(names)
+        columns = wanted or tuple(names)
         return ParquetIndex(
             filesystem=fs,
             files=tuple(files),

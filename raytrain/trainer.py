@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from raytrain.config import (
 )
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.errors import ConfigError, UserCodeError
-from raytrain.parquet_source import ParquetSource, as_source
+from raytrain.parquet_source import ParquetIndex, ParquetSource, as_source
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 from raytrain.run_lock import run_lock
 from raytrain.trackers import check_trackers
@@ -73,29 +74,34 @@ def check_storage_writable(path: str) -> None:
         raise ConfigError(f"storage_path {path!r} is not usable: {probe!r} {what}")
 
 
-def check_storage(spec: TrainSpec) -> str:
-    """Check, without starting anything, that the run can write where it is told to; return the run directory.
-    Raises `ConfigError` for a URI (not supported yet) or a path that is a file or not writable."""
-    if not spec.checkpoint.is_local:
-        raise ConfigError(
-            f"storage_path must be a local or shared directory for now, got {spec.checkpoint.storage_path!r}"
-        )
+def check_storage(spec: TrainSpec, filesystem: Any = None) -> str:
+    """Check, without starting any worker, that the run can write where it is told to; return the run's local
+    directory (`CheckpointConfig.run_dir`). Raises `ConfigError` naming the path for a local directory that is a
+    file or not writable, or for object storage that cannot be opened or written (`raytrain.storage`)."""
+    from raytrain.storage import check_writable, run_storage
+
     run_dir = spec.checkpoint.run_dir()
     check_storage_writable(run_dir)
+    if not spec.checkpoint.is_local:
+        check_writable(run_storage(spec.checkpoint, filesystem))
     return run_dir
 
 
-def check_resumable(run_dir: str) -> None:
-    """`ConfigError` before anything starts when the run directory holds checkpoints and none is intact (every one
-    has a file missing or cut short): resuming would be impossible, starting over would hide the data loss."""
+def check_resumable(spec: TrainSpec, filesystem: Any = None) -> None:
+    """`ConfigError` before anything starts when the run's checkpoint directory (local or object storage) holds
+    checkpoints and none is intact (every one has a file missing or cut short): resuming would be impossible,
+    starting over would hide the data loss."""
     from raytrain.checkpoint_files import checkpoint_dirs, verify
+    from raytrain.storage import run_storage
 
-    found = checkpoint_dirs(run_dir)
-    reasons = [(path, verify(path)) for _, path in found]
+    storage = run_storage(spec.checkpoint, filesystem)
+    found = checkpoint_dirs(storage.path, storage.fs)
+    reasons = [(path, verify(path, storage.fs)) for _, path in found]
     if found and all(reason for _, reason in reasons):
-        damaged = "; ".join(f"{os.path.basename(path)}: {reason}" for path, reason in reasons)
+        damaged = "; ".join(f"{posixpath.basename(path)}: {reason}" for path, reason in reasons)
         raise ConfigError(
-            f"no intact checkpoint in {run_dir} to resume from ({damaged}); move the run directory away to start over"
+            f"no intact checkpoint in {storage.uri} to resume from ({damaged}); move the run directory away to "
+            "start over"
         )
 
 
@@ -119,14 +125,6 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as err:
         raise ConfigError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {err}") from None
-
-
-def _size(nbytes: int) -> str:
-    """Bytes for a log line: '512 B', '24.1 KB', '3.2 MB', '1.5 GB'."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 def connect_ray(local_cpus: int = 1) -> None:
@@ -169,11 +167,9 @@ def own_state_api(port: int | None = None) -> int:
     A value the user set is kept.
     """
     if port is None:
-        import socket
+        from raytrain.ports import free_port
 
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
+        port = free_port()
     current = os.environ.get("RAY_API_SERVER_ADDRESS")
     if current is None or current == _OWN_STATE_API.get("value"):  # not set, or set by raytrain for a former instance
         _OWN_STATE_API["value"] = os.environ["RAY_API_SERVER_ADDRESS"] = f"http://127.0.0.1:{port}"
@@ -222,6 +218,9 @@ class ElasticTrainer:
         units_fn: optional `units_fn(model) -> [submodules]`: the FSDP units (default: each repeated block).
         trackers: experiment trackers used on rank 0, e.g. `[raytrain.trackers.TensorBoard()]` (see
             `raytrain.trackers` for the three methods a tracker of your own needs).
+        storage_filesystem: the `pyarrow.fs.FileSystem` of a URI `checkpoint.storage_path` (as Ray's
+            `RunConfig.storage_filesystem`), e.g. an `S3FileSystem` with an endpoint and credentials; None: the one
+            pyarrow derives from the URI. Checkpoints are written, listed, verified and restored through it.
 
     Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
     the field, its value and the valid range.
@@ -244,6 +243,7 @@ class ElasticTrainer:
         lr_schedule_fn: Callable[[int, int], float] | None = None,
         units_fn: Callable[[nn.Module], list[nn.Module]] | None = None,
         trackers: Sequence[Any] = (),
+        storage_filesystem: Any = None,
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
@@ -285,6 +285,19 @@ class ElasticTrainer:
         self.units_fn = units_fn
         check_trackers(list(trackers))
         self.trackers = tuple(trackers)
+        if storage_filesystem is not None:
+            import pyarrow.fs as pafs
+
+            if not isinstance(storage_filesystem, pafs.FileSystem):
+                raise ConfigError(
+                    f"storage_filesystem must be a pyarrow.fs.FileSystem or None, got {storage_filesystem!r}"
+                )
+            if self.spec.checkpoint.is_local:
+                raise ConfigError(
+                    "storage_filesystem is for a URI storage_path (s3://bucket/prefix), got storage_path "
+                    f"{self.spec.checkpoint.storage_path!r}"
+                )
+        self.storage_filesystem = storage_filesystem
         self.meta_init = False  # decided by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
@@ -372,7 +385,7 @@ class ElasticTrainer:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
         instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster). Holds the
         run directory's lock (`raytrain.run_lock`) throughout: the same run started again meanwhile refuses."""
-        run_dir = check_storage(self.spec)
+        run_dir = check_storage(self.spec, self.storage_filesystem)
         with run_lock(run_dir):
             return self._fit(run_dir)
 
@@ -385,12 +398,14 @@ class ElasticTrainer:
         from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data import IndexedData, check_columns, check_numeric_columns, steps_per_epoch
+        from raytrain.memory_plan import format_bytes
         from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors
+        from raytrain.storage import run_storage
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
-        check_resumable(run_dir)
+        check_resumable(spec, self.storage_filesystem)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
@@ -402,22 +417,22 @@ class ElasticTrainer:
             val_set = ray.data.read_parquet(files, filesystem=fs)
         val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
         trainer_datasets: dict[str, Any] = {}
-        if isinstance(train, ParquetSource):
-            index = train.index(self.required_columns, spec.loop.id_column)
-            steps_per_epoch(index.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
-            check_numeric_columns(index.head(1000), self.required_columns)
-            self.check_loss_fn(index.head(2))
-            say(
-                f"training data: {len(index.files)} Parquet file(s), {len(index.chunk_rows)} row groups, "
-                f"{index.num_rows} rows, {_size(index.data_bytes)}; read in place in windows of "
-                f"{index.window_chunks} row groups (<= {_size(index.window_bytes)} each)"
-            )
-            job = self._job(run_dir, data=index, val_data=val, num_rows=index.num_rows)
-        elif spec.loop.deterministic:
-            data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
+        if isinstance(train, ParquetSource) or spec.loop.deterministic:
+            data: ParquetIndex | IndexedData
+            if isinstance(train, ParquetSource):
+                data = train.index(self.required_columns, spec.loop.id_column)
+            else:
+                data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
-            check_numeric_columns(data.head(1000), self.required_columns)
-            self.check_loss_fn(data.head(2))
+            head = data.head(1000)
+            check_numeric_columns(head, self.required_columns)
+            self.check_loss_fn({name: column[:2] for name, column in head.items()})
+            if isinstance(data, ParquetIndex):
+                say(
+                    f"training data: {len(data.files)} Parquet file(s), {len(data.chunk_rows)} row groups, "
+                    f"{data.num_rows} rows, {format_bytes(data.data_bytes)}; read in place in windows of "
+                    f"{data.window_chunks} row groups (<= {format_bytes(data.window_bytes)} each)"
+                )
             job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))
@@ -429,6 +444,9 @@ class ElasticTrainer:
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in first.items()})
             trainer_datasets["train"] = train
         cluster = spec.cluster
+        storage = run_storage(spec.checkpoint, self.storage_filesystem)
+        if not storage.is_local:
+            say(f"checkpoints go to {storage.uri}; the run's files (metrics, events, log) to {run_dir}")
         workers: int | tuple[int, int] = (
             cluster.min_workers
             if cluster.min_workers == cluster.max_workers
@@ -449,7 +467,8 @@ class ElasticTrainer:
             ),
             run_config=RunConfig(  # type: ignore[call-arg]
                 name=spec.checkpoint.run_name,
-                storage_path=os.path.abspath(spec.checkpoint.storage_path),
+                storage_path=posixpath.dirname(storage.path),
+                storage_filesystem=None if storage.is_local else storage.fs,
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
                 worker_runtime_env={"env_vars": worker_env()},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from raytrain.parallelize import (
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
+from raytrain.storage import local_copy
 from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
 
@@ -235,51 +237,56 @@ def build_model(job: WorkerJob) -> nn.Module:
     return job.model_fn()
 
 
-def restore_candidates(latest: str | None, run_dir: str | None) -> list[str]:
-    """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of the
-    run directory (never a newer one: written after the latest commit, it was never committed)."""
-    if latest is None:
-        return []
-    if not run_dir or not os.path.isdir(latest):
+def restore_candidates(latest: str, fs: Any = None) -> list[str]:
+    """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of its run
+    directory (never a newer one: written after the latest commit, it was never committed). Paths on the pyarrow
+    filesystem `fs` (None: local)."""
+    try:
+        newest = read_step(latest, fs)
+    except (OSError, ValueError):
         return [latest]
-    newest = read_step(latest) if os.path.exists(os.path.join(latest, "raytrain_state.json")) else 2**62
-    older = [path for step, path in reversed(checkpoint_dirs(run_dir)) if step <= newest and path != latest]
+    run_dir = posixpath.dirname(latest.rstrip("/"))
+    older = [path for step, path in reversed(checkpoint_dirs(run_dir, fs)) if step <= newest and path != latest]
     return [latest, *older]
 
 
-def _restore(
-    model: nn.Module, optimizer: torch.optim.Optimizer, run_dir: str | None, log: Rank0Log
-) -> tuple[TrainState, np.ndarray, bool]:
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) -> tuple[TrainState, np.ndarray, bool]:
     """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True),
     or a fresh state and False when there is none.
 
     First rank 0 removes what Ray never committed (directories newer than Ray's latest checkpoint). A damaged
-    checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays on disk
+    checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays in storage
     (Ray deletes it in its turn); when every one is damaged, `DamagedCheckpointsError` stops the run (never a
-    partial load). Every rank sees the same files, so every rank chooses the same checkpoint."""
+    partial load). Every rank sees the same files, so every rank chooses the same checkpoint. On object storage
+    the chosen checkpoint is downloaded to a temporary directory by every rank."""
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return TrainState(), np.zeros(0, dtype=np.int64), False
-    with checkpoint.as_directory() as latest:
-        if run_dir and log.active and os.path.exists(os.path.join(latest, "raytrain_state.json")):
-            for path in remove_uncommitted(run_dir, read_step(latest)):
-                log.print(f"removed {os.path.basename(path)}: written after the latest committed checkpoint")
-        damaged: list[tuple[str, str]] = []
-        for directory in restore_candidates(latest, run_dir):
-            reason = verify(directory)
-            if reason is None:
-                for path, why in damaged:
-                    log.print(
-                        f"WARNING: checkpoint {os.path.basename(path)} is damaged ({why}); resuming from "
-                        f"{os.path.basename(directory)}"
-                    )
-                return (*load_checkpoint(directory, model, optimizer), True)
-            damaged.append((directory, reason))
+    fs, latest = checkpoint.filesystem, checkpoint.path
+    candidates = restore_candidates(latest, fs)
+    if log.active and len(candidates) > 0:
+        try:
+            for path in remove_uncommitted(posixpath.dirname(latest.rstrip("/")), read_step(latest, fs), fs):
+                log.print(f"removed {posixpath.basename(path)}: written after the latest committed checkpoint")
+        except (OSError, ValueError):
+            pass  # the latest has no readable state: nothing to compare with (verify names it below)
+    damaged: list[tuple[str, str]] = []
+    for directory in candidates:
+        reason = verify(directory, fs)
+        if reason is None:
+            for path, why in damaged:
+                log.print(
+                    f"WARNING: checkpoint {posixpath.basename(path)} is damaged ({why}); resuming from "
+                    f"{posixpath.basename(directory)}"
+                )
+            with local_copy(directory, fs) as local:
+                return (*load_checkpoint(local, model, optimizer), True)
+        damaged.append((directory, reason))
     raise DamagedCheckpointsError(
         "no intact checkpoint to resume from: "
-        + "; ".join(f"{os.path.basename(path)}: {why}" for path, why in damaged)
+        + "; ".join(f"{posixpath.basename(path)}: {why}" for path, why in damaged)
         + " (move the run directory away to start over)"
     )
 
@@ -387,7 +394,7 @@ def start_run(job: WorkerJob) -> Run:
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
     built = time.perf_counter()
-    state, consumed, restored = _restore(model, optimizer, job.run_dir, log)
+    state, consumed, restored = _restore(model, optimizer, log)
     loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:
         scaler.load_state_dict(state.loss_scale)
@@ -526,8 +533,7 @@ def _checkpoint_step() -> int:
         checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return 0
-        with checkpoint.as_directory() as directory:
-            return read_step(directory)
+        return read_step(checkpoint.path, checkpoint.filesystem)
     except Exception:
         return -1
 

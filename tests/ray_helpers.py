@@ -11,6 +11,7 @@ from typing import Any
 
 from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
 from raytrain.parquet_source import ParquetSource
+from raytrain.ports import free_port
 from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error, write_regression_parquet
 from raytrain.trainer import ElasticTrainer
 
@@ -51,12 +52,14 @@ def make_trainer(
     max_failures: int = 0,
     id_column: str | None = "id",
     data: str = "parquet",
+    storage: str | None = None,
     **kwargs: Any,
 ) -> ElasticTrainer:
     """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails).
 
     `data`: "parquet" (Parquet files under `tmp`, read in place: the default path) or "ray" (a Ray dataset,
-    materialized in deterministic mode); streaming mode (`deterministic=False`) always takes a Ray dataset."""
+    materialized in deterministic mode); streaming mode (`deterministic=False`) always takes a Ray dataset.
+    `storage`: a URI for the checkpoints (the run's files then go under `tmp`); default: `tmp` holds both."""
     if data == "parquet" and deterministic:
         train: Any = ParquetSource(parquet_data(rows), shuffle_window=2)
     else:
@@ -78,7 +81,9 @@ def make_trainer(
             shuffle_buffer=16,
             max_grad_norm=max_grad_norm,
         ),
-        checkpoint=CheckpointConfig(storage_path=str(tmp), run_name=run, every_steps=every),
+        checkpoint=CheckpointConfig(
+            storage_path=storage or str(tmp), log_dir=str(tmp), run_name=run, every_steps=every
+        ),
         cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=max_failures),
         required_columns=("x", "y"),
         **kwargs,
@@ -97,15 +102,6 @@ def ids_by_epoch(samples_path: str | Path) -> dict[int, list[int]]:
     for record in read_jsonl(samples_path):
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
     return by_epoch
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (on 127.0.0.1)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(what: str, condition: Any, timeout_s: float, interval_s: float = 1.0) -> Any:

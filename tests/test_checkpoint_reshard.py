@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import traceback
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_
 from raytrain.data import rank_micro_batches
 from raytrain.optim import build_optimizer
 from raytrain.parallelize import apply_parallelism
+from raytrain.ports import free_port
 from raytrain.worker_loop import train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -109,10 +109,7 @@ def _rank_main(rank: int, world: int, port: int, mode: str, out: str) -> None:
 
 
 def _run(world: int, mode: str, out: Path) -> list[dict[str, dict]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_rank_main, args=(world, port, mode, str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world, free_port(), mode, str(out)), nprocs=world, start_method="spawn")
     return [torch.load(out / f"{mode}-w{world}-rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -36,7 +36,16 @@ def raytrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         (("plan", "--workers"), "plan: argument --workers: expected one argument"),
         (("frobnicate",), "argument COMMAND: invalid choice: 'frobnicate'"),
         (("fit", "examples/fit_mlp.toml", "--dry-run", "--storage", "README.md"), "README.md' is not a directory"),
-        (("fit", "examples/fit_mlp.toml", "--dry-run", "--storage", "s3://bucket/runs"), "local or shared directory"),
+        (
+            (
+                "fit",
+                "examples/fit_mlp.toml",
+                "--dry-run",
+                "--storage",
+                "s3://bkt/runs?endpoint_override=127.0.0.1:1&scheme=http",
+            ),
+            "storage_path 's3://bkt/runs/fit-mlp' is not writable",
+        ),
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], message: str) -> None:

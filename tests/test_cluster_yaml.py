@@ -268,21 +268,20 @@ def test_recommended_worker_resources_fit_workers_only(config: dict[str, Any], r
         assert all(node_types(config)[n]["resources"].get("GPU", 0) >= 1 for n in hosts)
 
 
-def test_storage_path_is_on_the_shared_mount(config: dict[str, Any], text: str) -> None:
+def test_checkpoints_go_to_s3_and_the_run_files_to_the_shared_mount(config: dict[str, Any], text: str) -> None:
     from raytrain.config import CheckpointConfig
 
     meta = raytrain_metadata(config)
-    storage, mount = meta["storage_path"], meta["efs_mount_point"].rstrip("/")
-    assert storage.startswith(mount + "/"), (storage, mount)
-    assert CheckpointConfig(storage_path=storage, run_name="r").is_local, "raytrain must accept the storage path"
-    assert not CheckpointConfig(storage_path=meta["storage_path_s3_planned"], run_name="r").is_local
-    assert meta["storage_path_s3_planned"].startswith("s3://")
+    storage, log_dir, mount = meta["storage_path"], meta["log_dir"], meta["efs_mount_point"].rstrip("/")
+    assert storage.startswith("s3://"), storage
+    checkpoint = CheckpointConfig(storage_path=storage, log_dir=log_dir, run_name="r")
+    assert not checkpoint.is_local and checkpoint.run_dir() == f"{log_dir}/r"
+    assert log_dir.startswith(mount + "/"), (log_dir, mount)
     init = " ".join(config["initialization_commands"])
     assert re.search(rf"mount -t nfs4 .*:/ {re.escape(mount)}\b", init), "the EFS mount is missing"
-    assert storage in init, "the storage directory is not created on the mount"
-    # Documented for the reader: the path to pass, and why not s3:// yet.
-    assert f'storage_path="{storage}"' in text
-    assert "storage_path must be a local or shared directory" in text
+    assert log_dir in init, "the run-files directory is not created on the mount"
+    # Documented for the reader: the arguments to pass.
+    assert f'storage_path="{storage}", log_dir="{log_dir}"' in text
 
 
 # --- Dashboard and network exposure -----------------------------------------------------------------------

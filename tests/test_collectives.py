@@ -5,7 +5,6 @@ real one-process gloo group (they run whenever a group exists, so a one-GPU nccl
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +13,7 @@ import torch.distributed as dist
 
 from raytrain import collectives
 from raytrain.collectives import device_for_backend
+from raytrain.ports import free_port
 
 
 @pytest.mark.parametrize("backend", ["nccl", "NCCL"])
@@ -28,10 +28,7 @@ def test_other_backends_use_the_cpu(backend: str) -> None:
 
 @pytest.fixture
 def gloo_group() -> Iterator[None]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:

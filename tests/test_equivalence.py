@@ -21,7 +21,6 @@ import functools
 import math
 import multiprocessing
 import os
-import socket
 import traceback
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -39,6 +38,7 @@ from raytrain.data import rank_micro_batches as _rank_micro_batches
 from raytrain.model_init import init_weights
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
 from raytrain.parallelize import apply_parallelism, gradient_sync, step_policy
+from raytrain.ports import free_port
 from raytrain.worker_loop import seed_step, train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -385,16 +385,10 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn_world(world: int, out_dir: Path) -> list[dict[str, dict[str, object]]]:
     for attempt in range(3):
         try:
-            args = (world, _free_port(), str(out_dir))
+            args = (world, free_port(), str(out_dir))
             mp.start_processes(_rank_main, args=args, nprocs=world, start_method=START_METHOD)
             break
         except mp.ProcessRaisedException as exc:  # the free port was taken before rank 0 bound it: try another

@@ -140,13 +140,14 @@ def test_consumed_id_bookkeeping_matches_set_operations(old: set[int], new: set[
         assert sorted_contains(merged, probe).tolist() == [int(i) in old | new for i in probe]
 
 
-def test_sizes_in_log_lines_keep_their_digits() -> None:
-    from raytrain.trainer import _size
+def test_sizes_in_log_lines_keep_three_digits() -> None:
+    from raytrain.memory_plan import format_bytes
 
-    assert [_size(n) for n in (512, 27_000, 505_900, 3_200_000, 1_500_000_000)] == [
+    assert [format_bytes(n) for n in (512, 27_000, 505_900, 3_200_000, 1_500_000_000, 2e13)] == [
         "512 B",
-        "27.0 KB",
-        "505.9 KB",
+        "27 kB",
+        "506 kB",
         "3.2 MB",
         "1.5 GB",
+        "20 TB",
     ]

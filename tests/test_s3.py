@@ -1,10 +1,10 @@
-"""Training data read from `s3://`, served by a real S3-compatible server (moto's standalone server from the
-package registry) that the test starts on 127.0.0.1: the durable Parquet path through pyarrow's S3 client."""
+"""Object storage, served by a real S3-compatible server (moto's standalone server from the package registry) that
+the tests start on 127.0.0.1: training data read from `s3://` (the durable Parquet path through pyarrow's S3
+client), and checkpoints written to an `s3://` storage path, verified there and resumed at another world size."""
 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,51 +14,61 @@ from typing import Any
 import pytest
 from ray_helpers import make_trainer, read_jsonl
 
+from raytrain.checkpoint_files import checkpoint_dirs, latest_committed, verify
+from raytrain.config import CheckpointConfig
 from raytrain.errors import ConfigError
 from raytrain.parquet_source import ParquetSource
+from raytrain.ports import free_port
+from raytrain.storage import run_storage
 from raytrain.toy import write_regression_parquet
 
 pytestmark = pytest.mark.ray
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _client(port: int, allow_bucket_creation: bool = True) -> Any:
+    """A pyarrow `S3FileSystem` for the moto server on `port`."""
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(
+        endpoint_override=f"127.0.0.1:{port}",
+        scheme="http",
+        access_key="testing",
+        secret_key="testing",
+        region="us-east-1",
+        allow_bucket_creation=allow_bucket_creation,
+    )
 
 
 @pytest.fixture(scope="module")
-def s3() -> Iterator[Any]:
-    """A moto S3 server on 127.0.0.1 and a pyarrow `S3FileSystem` for it, with bucket "train-data"."""
-    import pyarrow.fs as pafs
-
+def s3_port() -> Iterator[int]:
+    """A moto S3 server on 127.0.0.1 with buckets "train-data" and "ckpt"; its port."""
     server = shutil.which("moto_server")
     assert server, "moto_server is not installed: pip install 'moto[server]' (in the test extras)"
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [server, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        fs = pafs.S3FileSystem(
-            endpoint_override=f"127.0.0.1:{port}",
-            scheme="http",
-            access_key="testing",
-            secret_key="testing",
-            region="us-east-1",
-            allow_bucket_creation=True,
-        )
+        fs = _client(port)
         for _ in range(300):
             try:
                 fs.create_dir("train-data")
+                fs.create_dir("ckpt")
                 break
             except OSError:
                 time.sleep(0.1)
         else:
             raise RuntimeError(f"moto server on port {port} did not answer")
-        yield fs
+        yield port
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.fixture
+def s3(s3_port: int) -> Any:
+    """A pyarrow `S3FileSystem` for the test's S3 server."""
+    return _client(s3_port)
 
 
 def test_parquet_on_s3_trains_like_local_files(ray_local: None, tmp_path: Path, s3: Any) -> None:
@@ -91,3 +101,109 @@ def test_parquet_on_s3_trains_like_local_files(ray_local: None, tmp_path: Path, 
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
     audit = read_jsonl(tmp_path / "s3" / "samples.jsonl")
     assert sorted(i for r in audit if r["epoch"] == 0 for i in r["ids"]) == list(range(90))
+
+
+def _upload(s3: Any, local: Path, remote: str) -> None:
+    import pyarrow.fs as pafs
+
+    pafs.copy_files(str(local), remote, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=s3)
+
+
+def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Path, s3: Any, s3_port: int) -> None:
+    """The checkpoint bookkeeping through pyarrow's S3 client (no Ray): a whole checkpoint uploaded verifies; a
+    shard cut short or missing is named; a run whose only checkpoint is damaged is refused before it starts, with
+    the s3:// URI in the message. A bucket that does not exist is refused by name."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from raytrain.checkpoint import TrainState, save_checkpoint
+    from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.trainer import TrainSpec, check_resumable, check_storage
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    local = Path(save_checkpoint(model, optimizer, TrainState(step=7), 0, np.zeros(0, np.int64)))
+    spec = TrainSpec(
+        batch=BatchConfig(global_batch=4, micro_batch=2),
+        lr=LRConfig(base_lr=0.1),
+        loop=LoopConfig(),
+        checkpoint=CheckpointConfig(storage_path="s3://ckpt/books", run_name="r", log_dir=str(tmp_path)),
+        cluster=ClusterConfig(),
+    )
+    storage = run_storage(spec.checkpoint, s3)
+    assert (storage.path, storage.uri) == ("ckpt/books/r", "s3://ckpt/books/r")
+    assert check_storage(spec, s3) == str(tmp_path / "r")
+    _upload(s3, local, "ckpt/books/r/checkpoint_7")
+    assert checkpoint_dirs("ckpt/books/r", s3) == [(7, "ckpt/books/r/checkpoint_7")]
+    assert verify("ckpt/books/r/checkpoint_7", s3) is None
+    check_resumable(spec, s3)  # intact: no error
+    shard = "ckpt/books/r/checkpoint_7/__0_0.distcp"
+    size = s3.get_file_info(shard).size
+    with s3.open_output_stream(shard) as out:
+        out.write((local / "__0_0.distcp").read_bytes()[: size // 2])
+    assert verify("ckpt/books/r/checkpoint_7", s3) == f"__0_0.distcp has {size // 2} of its {size} bytes"
+    s3.delete_file(shard)
+    assert verify("ckpt/books/r/checkpoint_7", s3) == "__0_0.distcp is missing"
+    with pytest.raises(ConfigError, match=r"no intact checkpoint in s3://ckpt/books/r .*__0_0.distcp is missing"):
+        check_resumable(spec, s3)
+    assert latest_committed("ckpt/books/r", s3) is None  # Ray never committed anything here
+
+    strict = _client(s3_port, allow_bucket_creation=False)
+    missing = TrainSpec(
+        batch=spec.batch,
+        lr=spec.lr,
+        loop=spec.loop,
+        checkpoint=CheckpointConfig(storage_path="s3://no-such-bucket/runs", log_dir=str(tmp_path)),
+        cluster=spec.cluster,
+    )
+    with pytest.raises(ConfigError, match=r"storage_path 's3://no-such-bucket/runs/run' is not writable"):
+        check_storage(missing, strict)
+
+
+def test_storage_uri_options_and_filesystem_checks() -> None:
+    """A URI's options reach pyarrow (no request is made); a filesystem object needs a URI storage_path."""
+    storage = run_storage(
+        CheckpointConfig(storage_path="s3://bucket/runs/?endpoint_override=127.0.0.1:9&scheme=http", run_name="a")
+    )
+    assert (storage.path, storage.uri, storage.is_local) == ("bucket/runs/a", "s3://bucket/runs/a", False)
+    uri = "s3://KEY:SECRET@bucket/runs?scheme=http&endpoint_override=127.0.0.1:9"
+    secret = run_storage(CheckpointConfig(storage_path=uri, run_name="a"))
+    assert secret.uri == "s3://bucket/runs/a", "credentials in a URI must not reach messages"
+    with pytest.raises(ConfigError, match="storage_path 'nosuch://x' is not a URI pyarrow can open"):
+        run_storage(CheckpointConfig(storage_path="nosuch://x"))
+
+
+def test_a_run_checkpointed_on_s3_resumes_there_at_another_world_size(ray_local: None, tmp_path: Path, s3: Any) -> None:
+    """2 workers train 4 steps with checkpoints on s3://; the same run restarted with 1 worker and 8 steps resumes
+    from the S3 checkpoint (resharded by DCP) and follows the loss curve of 1 worker trained 8 steps on local
+    storage; the run's own files stay in the local log directory, nothing of them in the bucket."""
+
+    def run(name: str, workers: int, steps: int, storage: str | None) -> list[dict[str, Any]]:
+        trainer = make_trainer(
+            tmp_path,
+            name,
+            workers=workers,
+            steps=steps,
+            every=2,
+            storage=storage,
+            storage_filesystem=s3 if storage else None,
+        )
+        return read_jsonl(trainer.fit().metrics_path)
+
+    reference = run("local", 1, 8, None)
+    first = run("remote", 2, 4, "s3://ckpt/runs")
+    assert [m["step"] for m in first] == [1, 2, 3, 4]
+    committed = latest_committed("ckpt/runs/remote", s3)
+    assert committed is not None and committed[0] == 4
+    assert verify(committed[1], s3) is None
+    resumed = run("remote", 1, 8, "s3://ckpt/runs")[4:]
+    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
+    assert [m["world_size"] for m in resumed] == [1, 1, 1, 1]
+    for a, b in zip(reference[4:], resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    import pyarrow.fs as pafs
+
+    names = {info.base_name for info in s3.get_file_info(pafs.FileSelector("ckpt/runs/remote"))}
+    assert not names & {"metrics.jsonl", "events.jsonl", "raytrain.log"}
+    assert (tmp_path / "remote" / "metrics.jsonl").exists()

@@ -1,0 +1,95 @@
+"""Where a run's checkpoints live: a local or shared directory, or object storage (`s3://`, `gs://`, ... through a
+pyarrow filesystem, as Ray Train stores them).
+
+A run has two places:
+    checkpoints   `<storage_path>/<run_name>` on the storage's filesystem: Ray Train's checkpoint directories and
+                  its record of the committed ones (`checkpoint_manager_snapshot.json`);
+    run files     `CheckpointConfig.run_dir()`, always a local (or shared) directory: metrics.jsonl, events.jsonl,
+                  samples.jsonl, raytrain.log and the run lock. For a local `storage_path` both are one directory.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from raytrain.config import CheckpointConfig
+from raytrain.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunStorage:
+    """The run's checkpoint directory: `path` on the pyarrow filesystem `fs`; `uri` names it in messages."""
+
+    fs: Any  # pyarrow.fs.FileSystem
+    path: str
+    uri: str
+
+    @property
+    def is_local(self) -> bool:
+        """True for the local file system (a local or shared directory)."""
+        import pyarrow.fs as pafs
+
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
+
+def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStorage:
+    """The run directory of `checkpoint` on its filesystem: the local file system for a path, else `filesystem`
+    (a `pyarrow.fs.FileSystem`, the URI's scheme and bucket stripped as Ray's `storage_filesystem` wants) or the
+    one pyarrow derives from the URI (its query options such as `endpoint_override`, credentials from the
+    environment). Raises `ConfigError` naming the URI when pyarrow cannot make a filesystem of it."""
+    import pyarrow.fs as pafs
+
+    if checkpoint.is_local:
+        path = os.path.join(os.path.abspath(checkpoint.storage_path), checkpoint.run_name)
+        return RunStorage(pafs.LocalFileSystem(), path, path)
+    scheme, rest = checkpoint.storage_path.split("?", 1)[0].rstrip("/").split("://", 1)
+    if "@" in rest.split("/", 1)[0]:  # s3://KEY:SECRET@bucket/...: the credentials stay out of every message
+        rest = rest.split("@", 1)[1]
+    base = f"{scheme}://{rest}"
+    if filesystem is not None:
+        root = rest
+    else:
+        try:
+            filesystem, root = pafs.FileSystem.from_uri(checkpoint.storage_path)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"storage_path {base!r} is not a URI pyarrow can open: {err}") from None
+    root = root.rstrip("/")
+    return RunStorage(filesystem, posixpath.join(root, checkpoint.run_name), f"{base}/{checkpoint.run_name}")
+
+
+def check_writable(storage: RunStorage) -> None:
+    """Raise `ConfigError` naming the URI unless a file can be written into, and deleted from, the run's
+    directory on object storage (a missing bucket, wrong credentials or an unreachable endpoint fail here, in
+    seconds, before any worker starts). Local directories are checked by `trainer.check_storage_writable`."""
+    probe = posixpath.join(storage.path, ".raytrain-write-probe")
+    try:
+        storage.fs.create_dir(storage.path, recursive=True)
+        with storage.fs.open_output_stream(probe) as out:
+            out.write(b"raytrain")
+        storage.fs.delete_file(probe)
+    except OSError as err:
+        raise ConfigError(f"storage_path {storage.uri!r} is not writable: {err}") from None
+
+
+@contextmanager
+def local_copy(directory: str, fs: Any) -> Iterator[str]:
+    """`directory` of filesystem `fs` as a local directory: itself on the local file system, else a download into
+    a temporary directory that is removed on exit."""
+    import pyarrow.fs as pafs
+
+    if fs is None or isinstance(fs, pafs.LocalFileSystem):
+        yield directory
+        return
+    target = tempfile.mkdtemp(prefix="raytrain-restore-")
+    try:
+        pafs.copy_files(directory, target, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield target
+    finally:
+        shutil.rmtree(target, ignore_errors=True)
