@@ -21,8 +21,10 @@ gathering rows, agreeing the step); samples/s = samples of the steady steps / th
 loop records its own step times the same way);
     worker_data_bytes_fraction = peak of data_held_bytes (the numpy bytes of training data a rank holds: its
     windows and prefetched windows) / the data set's bytes in memory.
-Data position in a checkpoint at 1e7 samples: the bytes and time of what each mode writes for it (the position
-modes: the train state's JSON; streaming: the consumed-id set), written for real to a temporary directory.
+Data position in a checkpoint halfway through an epoch of 1e7 samples: the bytes and time of what each mode writes
+for it (the position modes: the train state's JSON; streaming: the consumed-id set as ranges, for the ids a real
+Ray Data streaming split consumed and for ids in random order, each beside the id array written before), written
+for real to a temporary directory.
 """
 
 from __future__ import annotations
@@ -191,12 +193,49 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
     }
 
 
+def streaming_consumed_ids(samples: int, workers: int, shuffle_buffer: int, read_batch: int) -> list[np.ndarray]:
+    """The ids streaming mode has consumed halfway through an epoch of `samples` rows, per rank, from a real Ray
+    Data pipeline read as `raytrain.streaming` reads it: `ray.data.range(samples)` split with
+    `streaming_split(equal=False)`, each of `workers` consumers iterating its split in batches of `read_batch` with
+    a local shuffle buffer of `shuffle_buffer` rows, until half the rows are consumed."""
+    import threading
+
+    import ray.data
+
+    splits = ray.data.range(samples).streaming_split(workers, equal=False)
+    taken: list[list[np.ndarray]] = [[] for _ in range(workers)]
+    quota = samples // 2 // workers
+
+    def consume(rank: int) -> None:
+        count = 0
+        for batch in splits[rank].iter_batches(
+            batch_size=read_batch,
+            batch_format="numpy",
+            local_shuffle_buffer_size=shuffle_buffer,
+            local_shuffle_seed=rank,
+        ):
+            if count < quota:
+                taken[rank].append(batch["id"][: quota - count].astype(np.int64))
+                count += len(taken[rank][-1])
+            # read on to the end: a split's epoch completes only when every consumer finishes it
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [np.concatenate(parts) for parts in taken]
+
+
 def position_checkpoint_cost(samples: int) -> dict[str, float]:
-    """Bytes and seconds of writing the data position at `samples` consumed samples: the position modes write the
-    train state (a few numbers as JSON); streaming mode merges the last checkpoint interval's ids into the sorted
-    set (`StreamingSteps.consumed_ids`) and writes it (`np.save`, as `raytrain.checkpoint` does)."""
+    """Bytes and seconds of writing the data position halfway through an epoch of `samples` samples. The position
+    modes write the train state (a few numbers as JSON). Streaming mode writes the set of consumed ids as ranges
+    (`raytrain.id_ranges`), merged at each checkpoint with the last interval's ids: measured on the ids a real
+    Ray Data streaming split consumed (2 workers, raytrain's default shuffle buffer), then on ids in no order
+    at all (a random half: the worst case), each against the sorted id array raytrain wrote before."""
     from raytrain.checkpoint import TrainState
-    from raytrain.streaming import merge_sorted
+    from raytrain.config import LoopConfig
+    from raytrain.id_ranges import IdRanges
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as directory:
@@ -206,14 +245,23 @@ def position_checkpoint_cost(samples: int) -> dict[str, float]:
         with open(path, "w") as f:
             json.dump(asdict(state), f)
         out["position_s"], out["position_bytes"] = time.perf_counter() - began, os.path.getsize(path)
-        ids = np.random.default_rng(0).permutation(samples).astype(np.int64)
-        interval = 20 * GLOBAL_BATCH  # the ids of one checkpoint interval (20 steps), merged into the rest
-        before = np.sort(ids[:-interval])
         began = time.perf_counter()
-        merged = merge_sorted(before, ids[-interval:])
-        path = os.path.join(directory, "consumed_ids.npy")
-        np.save(path, merged)
-        out["streaming_s"], out["streaming_bytes"] = time.perf_counter() - began, os.path.getsize(path)
+        per_rank = streaming_consumed_ids(samples, 2, LoopConfig().shuffle_buffer, 64)
+        out["streaming_read_s"] = time.perf_counter() - began
+        layout = np.concatenate(per_rank)
+        random_half = np.random.default_rng(0).permutation(samples)[: samples // 2].astype(np.int64)
+        interval = 20 * GLOBAL_BATCH  # the ids of one checkpoint interval (20 steps), merged into the rest
+        for name, ids in (("streaming", layout), ("streaming_random", random_half)):
+            before = IdRanges.from_ids(ids[:-interval])
+            began = time.perf_counter()
+            merged = before.union(ids[-interval:])
+            path = os.path.join(directory, f"{name}.npy")
+            np.save(path, merged.ranges)
+            out[f"{name}_s"], out[f"{name}_bytes"] = time.perf_counter() - began, os.path.getsize(path)
+            out[f"{name}_ranges"] = len(merged.ranges)
+            out[f"{name}_ids"] = len(merged)
+            np.save(path, np.sort(ids))  # what raytrain wrote before ranges: every id
+            out[f"{name}_array_bytes"] = os.path.getsize(path)
     return out
 
 
@@ -246,9 +294,9 @@ def main() -> None:
                     run_ = run_raytrain(storage, data_dir, f"{mode}-{workers}-{rep}", mode, workers, epochs)
                 results[key].append(summarise(run_, skip, data_bytes))
                 print(f"  done {key} rep {rep}: wait fraction {results[key][-1]['wait_fraction']:.3f}", flush=True)
+    cost = position_checkpoint_cost(10**6 if args.quick else 10**7)
     print(machine_line())
     stop_ray()
-    cost = position_checkpoint_cost(10**7)
     windows = rows // (ROW_GROUP * WINDOW)
     print(
         f"\nInput pipeline: Parquet {rows:,} rows x {FEATURES} float32 features ({data_bytes / 1e6:.1f} MB in memory) "
@@ -266,9 +314,16 @@ def main() -> None:
         out_rows.append([key, "median", *(medians[key][k] for k in keys)])
     print(table(headers, out_rows))
     print(
-        f"data position in a checkpoint at 1e7 samples: position modes {cost['position_bytes']:.0f} bytes in "
-        f"{cost['position_s'] * 1000:.2f} ms; streaming (consumed ids) {cost['streaming_bytes'] / 1e6:.1f} MB in "
-        f"{cost['streaming_s'] * 1000:.0f} ms (merge + write, without the all-gather)"
+        f"data position in a checkpoint halfway through an epoch of {cost['streaming_ids'] * 2:.0e} samples: "
+        f"position modes {cost['position_bytes']:.0f} bytes in {cost['position_s'] * 1000:.2f} ms;\n"
+        f"  streaming, ids as a Ray Data streaming split consumed them ({cost['streaming_read_s']:.0f} s to read): "
+        f"{cost['streaming_ids']:.0f} ids in {cost['streaming_ranges']:.0f} ranges, "
+        f"{cost['streaming_bytes'] / 1e3:.1f} kB "
+        f"in {cost['streaming_s'] * 1000:.1f} ms (merge + write, without the all-gather); as an id array "
+        f"{cost['streaming_array_bytes'] / 1e6:.1f} MB;\n"
+        f"  streaming, ids in random order (worst case): {cost['streaming_random_ranges']:.0f} ranges, "
+        f"{cost['streaming_random_bytes'] / 1e6:.1f} MB in {cost['streaming_random_s'] * 1000:.0f} ms; as an id array "
+        f"{cost['streaming_random_array_bytes'] / 1e6:.1f} MB"
     )
     print("goals: data wait fraction <= 0.05 at W = 2 and 3; data bytes held / data set <= 0.1 (parquet)")
     print(f"wall time {time.perf_counter() - wall:.1f} s")
@@ -292,7 +347,10 @@ def main() -> None:
             "samples_per_s_streaming_w2": pick("streaming W=2", "samples_per_s"),
             "position_checkpoint_bytes_1e7": cost["position_bytes"],
             "streaming_checkpoint_bytes_1e7": cost["streaming_bytes"],
-            "streaming_checkpoint_s_1e7": round(cost["streaming_s"], 3),
+            "streaming_checkpoint_s_1e7": round(cost["streaming_s"], 4),
+            "streaming_checkpoint_ranges_1e7": cost["streaming_ranges"],
+            "streaming_checkpoint_array_bytes_1e7": cost["streaming_array_bytes"],
+            "streaming_checkpoint_bytes_1e7_random_ids": cost["streaming_random_bytes"],
             "reps": reps,
         }
     )

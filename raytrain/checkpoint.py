@@ -5,7 +5,9 @@ Layout of one checkpoint directory (Ray merges the per-rank directories into it)
     .metadata, __<rank>_0.distcp   model and optimizer state (DCP)
     optimizer_zero1.pt             zero1 only: the optimizer state consolidated on rank 0 (torch.save)
     raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR
-    consumed_ids.npy               rank 0, streaming mode: sorted ids consumed so far in the current epoch
+    consumed_ranges.npy            rank 0: the ids consumed so far in the current epoch (streaming mode; empty on
+                                   the position paths) as (R, 2) ranges [start, end); a checkpoint written
+                                   before ranges holds consumed_ids.npy (every id) instead, which still loads
     manifest.json                  rank 0, last: every file above (every rank's) and its size
 
 Saving is a collective: every rank must call `save_checkpoint`, or `start_save` and later `finish_save` (DCP plans
@@ -39,8 +41,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from raytrain.checkpoint_files import STATE_FILE, SafeLoadPlanner, SafeReader, file_sizes, write_manifest
 from raytrain.collectives import all_gather_objects
+from raytrain.id_ranges import IdRanges
 
-CONSUMED_IDS_FILE = "consumed_ids.npy"
+CONSUMED_FILE = "consumed_ranges.npy"
+CONSUMED_IDS_FILE = "consumed_ids.npy"  # written before ranges (every id, sorted): still read
 ZERO1_OPTIMIZER_FILE = "optimizer_zero1.pt"
 
 
@@ -114,7 +118,7 @@ def start_save(
     optimizer: torch.optim.Optimizer,
     state: TrainState,
     rank: int,
-    consumed_ids: np.ndarray,
+    consumed: IdRanges,
     *,
     metrics: dict[str, Any] | None = None,
     background_group: Any = None,
@@ -138,7 +142,7 @@ def start_save(
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
-        np.save(os.path.join(directory, CONSUMED_IDS_FILE), consumed_ids.astype(np.int64))
+        np.save(os.path.join(directory, CONSUMED_FILE), consumed.ranges)
     write: Future[Any] | None = None
     if background_group is not None:
         write = dcp.async_save(sharded, checkpoint_id=directory, process_group=background_group)  # type: ignore[assignment]
@@ -160,16 +164,14 @@ def finish_save(pending: PendingSave, rank: int) -> str:
 
 
 def save_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed_ids: np.ndarray
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed: IdRanges
 ) -> str:
     """Write this rank's share of the checkpoint into a fresh directory and return it, before returning (all
     ranks must call; `start_save` + `finish_save` without a background write)."""
-    return finish_save(start_save(model, optimizer, state, rank, consumed_ids), rank)
+    return finish_save(start_save(model, optimizer, state, rank, consumed), rank)
 
 
-def load_checkpoint(
-    directory: str, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[TrainState, np.ndarray]:
+def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, IdRanges]:
     """Load model and optimizer state from `directory` into the (already wrapped) model; all ranks must call.
 
     Returns the train state and the ids consumed in the current epoch (streaming mode). Works at any world
@@ -195,4 +197,12 @@ def load_checkpoint(
         )
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
-    return state, np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False)
+    return state, load_consumed(directory)
+
+
+def load_consumed(directory: str) -> IdRanges:
+    """The consumed ids a checkpoint directory holds: its ranges, or the id array of an older checkpoint."""
+    ranges = os.path.join(directory, CONSUMED_FILE)
+    if os.path.exists(ranges):
+        return IdRanges(np.load(ranges, allow_pickle=False))
+    return IdRanges.from_ids(np.load(os.path.join(directory, CONSUMED_IDS_FILE), allow_pickle=False))

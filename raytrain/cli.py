@@ -326,7 +326,10 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--epochs", type=int, help="override [loop] epochs")
     p.add_argument("--strategy", help="override [loop] strategy")
     p.add_argument("--seed", type=int, help="override [loop] seed")
-    p.add_argument("--storage", help="override [checkpoint] storage_path")
+    p.add_argument(
+        "--storage", help="override [checkpoint] storage_path: a directory or a URI such as s3://bucket/runs"
+    )
+    p.add_argument("--log-dir", help="override [checkpoint] log_dir: where a URI storage's run files go")
     p.add_argument("--run-name", help="override [checkpoint] run_name")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(run=_run_fit)
@@ -338,7 +341,7 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
     table = {
         "batch": {"global_batch": args.global_batch, "micro_batch": args.micro_batch},
         "loop": {"max_steps": args.steps, "epochs": args.epochs, "strategy": args.strategy, "seed": args.seed},
-        "checkpoint": {"storage_path": args.storage, "run_name": args.run_name},
+        "checkpoint": {"storage_path": args.storage, "run_name": args.run_name, "log_dir": args.log_dir},
         "cluster": {},
     }
     if args.workers:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from raytrain.errors import ConfigError
+from raytrain.id_ranges import IdRanges
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,6 @@ class IndexedSteps:
         """All ids of `step` in rank order (every rank already knows them here)."""
         return step.ids
 
-    def consumed_ids(self) -> np.ndarray:
+    def consumed_ids(self) -> IdRanges:
         """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""
-        return np.zeros(0, dtype=np.int64)
+        return IdRanges()

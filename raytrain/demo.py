@@ -636,6 +636,11 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     from raytrain.console import quiet_ray_logging
     from raytrain.trainer import check_ray_address, check_storage_writable
 
+    if "://" in options.storage:
+        raise ConfigError(
+            f"--storage must be a local directory for the demo (it writes its data set beside the runs), got "
+            f"{options.storage!r}; object storage is for `raytrain fit` and the Python API (README: cloud cluster)"
+        )
     events = parse_events(options.events)
     run_name = options.run_name or time.strftime("demo-%Y%m%d-%H%M%S")
     external = bool(os.environ.get("RAY_ADDRESS")) or ray.is_initialized()

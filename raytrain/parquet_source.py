@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from raytrain.errors import ConfigError
+from raytrain.id_ranges import IdRanges
 from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
 
 
@@ -441,9 +442,9 @@ class ParquetSteps:
 
         return np.concatenate(all_gather_objects(step.ids))
 
-    def consumed_ids(self) -> np.ndarray:
+    def consumed_ids(self) -> IdRanges:
         """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""
-        return np.zeros(0, dtype=np.int64)
+        return IdRanges()
 
     def close(self) -> None:
         """Stop the prefetch threads (pending loads are cancelled)."""

@@ -6,8 +6,9 @@ with a local shuffle buffer seeded from (seed, epoch, rank). Ranks run dry uneve
 every optimizer step is agreed collectively (`take_counts`): each rank offers what it has buffered; a shortfall
 is covered by ranks that still have rows; only when every shard is exhausted is the epoch's final step smaller
 than B (and normalised by its true size). Sample order is NOT reproducible across world sizes or restarts here;
-exactly-once is: the ids consumed in the current epoch are part of every checkpoint and filtered out after a
-restart, so committed samples are not replayed and samples after the checkpoint are (the model was rolled back).
+exactly-once is: the ids consumed in the current epoch are part of every checkpoint (as ranges of consecutive ids,
+`raytrain.id_ranges`) and filtered out after a restart, so committed samples are not replayed and samples after
+the checkpoint are (the model was rolled back).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ray.train import DataConfig
 
 from raytrain.batch_plan import BatchPlan, _even_split
 from raytrain.collectives import all_gather_ints, all_gather_objects
+from raytrain.id_ranges import IdRanges
 
 
 class ExactSplitConfig(DataConfig):
@@ -60,19 +62,6 @@ def micro_split(take: list[int], micro_batch_cap: int) -> tuple[tuple[int, ...],
     return tuple(tuple(_even_split(t, steps)) for t in take)
 
 
-def sorted_contains(sorted_ids: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Which of `ids` are in `sorted_ids` (ascending, non-empty): a binary search per id, O(n log m), instead of
-    `np.isin`, which sorts both arrays at every call (82 ms per 32-row read against 1e7 consumed ids)."""
-    where = np.minimum(np.searchsorted(sorted_ids, ids), len(sorted_ids) - 1)
-    return sorted_ids[where] == ids
-
-
-def merge_sorted(sorted_ids: np.ndarray, new: np.ndarray) -> np.ndarray:
-    """`sorted_ids` with `new` (ids not in it) inserted in order: O(m + n log m), no re-sort of the m old ids."""
-    new = np.sort(np.asarray(new, dtype=np.int64))
-    return np.insert(sorted_ids.astype(np.int64, copy=False), np.searchsorted(sorted_ids, new), new)
-
-
 class StreamingShard:
     """One rank's view of its shard for one epoch: a buffer of rows refilled from the Ray Data iterator, with the
     ids already consumed this epoch filtered out."""
@@ -82,7 +71,7 @@ class StreamingShard:
         iterator: Any,
         *,
         id_column: str,
-        consumed: np.ndarray,
+        consumed: IdRanges,
         seed: int,
         epoch: int,
         rank: int,
@@ -113,8 +102,8 @@ class StreamingShard:
             except StopIteration:
                 self.exhausted = True
                 break
-            if self.consumed.size:
-                keep = ~sorted_contains(self.consumed, chunk[self.id_column])
+            if len(self.consumed.ranges):
+                keep = ~self.consumed.contains(chunk[self.id_column])
                 chunk = {k: v[keep] for k, v in chunk.items()}
             n = len(chunk[self.id_column])
             if n:
@@ -166,14 +155,14 @@ class StreamingSteps:
         rank: int,
         device: Any,
         shuffle_buffer: int,
-        consumed: np.ndarray,
+        consumed: IdRanges,
         drop_last: bool,
         empty: dict[str, np.ndarray],
     ) -> None:
         self.empty = empty  # zero-row columns of the dataset
         self.id_column, self.seed, self.plan, self.rank, self.device = id_column, seed, plan, rank, device
         self.shuffle_buffer, self.drop_last = shuffle_buffer, drop_last
-        self.consumed_before = consumed  # the epoch's ids of all ranks up to the latest checkpoint (sorted)
+        self.consumed_before = consumed  # the epoch's ids of all ranks up to the latest checkpoint
         self.consumed_now: list[np.ndarray] = []  # this rank's ids since then
         self._epoch: int | None = None
         self._shard: StreamingShard | None = None
@@ -182,7 +171,7 @@ class StreamingSteps:
         import ray.train
 
         if self._epoch is not None and epoch != self._epoch:
-            self.consumed_before, self.consumed_now = np.zeros(0, dtype=np.int64), []
+            self.consumed_before, self.consumed_now = IdRanges(), []
         self._epoch = epoch
         return StreamingShard(
             ray.train.get_dataset_shard("train"),
@@ -211,7 +200,7 @@ class StreamingSteps:
         if total == 0 or (self.drop_last and total < self.plan.global_batch):
             self._shard.fill(2**62)  # drain, so the split's epoch completes on every rank
             self._shard = None
-            self.consumed_before, self.consumed_now = np.zeros(0, dtype=np.int64), []
+            self.consumed_before, self.consumed_now = IdRanges(), []
             return None
         plan = step_plan_from_take(take, self.plan.micro_batch_cap, self.plan.global_batch)
         rows = self._shard.take(take[self.rank])
@@ -226,13 +215,13 @@ class StreamingSteps:
         """All ids of `step` in rank order (collective)."""
         return np.concatenate(all_gather_objects(np.asarray(step.ids, dtype=np.int64)))
 
-    def consumed_ids(self) -> np.ndarray:
-        """Sorted ids consumed so far in the current epoch by all ranks (collective); saved in checkpoints.
+    def consumed_ids(self) -> IdRanges:
+        """The ids consumed so far in the current epoch by all ranks (collective); saved in checkpoints.
 
         Only the ids consumed since the previous call travel (an all-gather of one checkpoint interval's ids, not
-        of the whole epoch's); every rank merges them into the set it keeps."""
+        of the whole epoch's); every rank merges them into the ranges it keeps."""
         local = np.concatenate(self.consumed_now) if self.consumed_now else np.zeros(0, dtype=np.int64)
         new = np.concatenate(all_gather_objects(local.astype(np.int64)))
-        self.consumed_before = merge_sorted(self.consumed_before, new)
+        self.consumed_before = self.consumed_before.union(new)
         self.consumed_now = []
         return self.consumed_before

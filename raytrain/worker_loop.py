@@ -30,6 +30,7 @@ from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, 
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
+from raytrain.id_ranges import IdRanges
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
 from raytrain.parallelize import (
@@ -250,7 +251,7 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
     return [latest, *older]
 
 
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) -> tuple[TrainState, np.ndarray, bool]:
+def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) -> tuple[TrainState, IdRanges, bool]:
     """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True),
     or a fresh state and False when there is none.
 
@@ -263,7 +264,7 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState(), np.zeros(0, dtype=np.int64), False
+        return TrainState(), IdRanges(), False
     fs, latest = checkpoint.filesystem, checkpoint.path
     candidates = restore_candidates(latest, fs)
     if log.active and len(candidates) > 0:
@@ -292,7 +293,7 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
 
 
 def _step_source(
-    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: np.ndarray, log: Callable[[str], None]
+    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: IdRanges, log: Callable[[str], None]
 ) -> StepSource:
     """The data of every step for this rank: the Parquet order, deterministic mode's indexed order, or the
     streaming shard."""

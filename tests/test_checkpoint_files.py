@@ -9,13 +9,22 @@ import pickle
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from raytrain.checkpoint import (
+    CONSUMED_FILE,
+    CONSUMED_IDS_FILE,
+    TrainState,
+    load_checkpoint,
+    load_consumed,
+    save_checkpoint,
+)
 from raytrain.checkpoint_files import SafeReader, checkpoint_dirs, verify
+from raytrain.id_ranges import IdRanges
 
 
 def _checkpoint(tmp_path: Path, step: int = 3) -> tuple[Path, nn.Module]:
@@ -24,9 +33,8 @@ def _checkpoint(tmp_path: Path, step: int = 3) -> tuple[Path, nn.Module]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    import numpy as np
-
-    directory = Path(save_checkpoint(model, optimizer, TrainState(step=step), 0, np.zeros(0, np.int64)))
+    consumed = IdRanges.from_ids(np.array([3, 4, 5, 9]))
+    directory = Path(save_checkpoint(model, optimizer, TrainState(step=step), 0, consumed))
     target = tmp_path / f"checkpoint_{step}"
     shutil.move(str(directory), target)
     return target, model
@@ -36,10 +44,11 @@ def test_a_whole_checkpoint_verifies_and_loads_through_the_safe_reader(tmp_path:
     directory, model = _checkpoint(tmp_path)
     assert verify(str(directory)) is None
     manifest = json.loads((directory / "manifest.json").read_text())["files"]
-    assert {".metadata", "__0_0.distcp", "raytrain_state.json", "consumed_ids.npy"} <= set(manifest)
+    assert {".metadata", "__0_0.distcp", "raytrain_state.json", "consumed_ranges.npy"} <= set(manifest)
     fresh = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
-    state, _ = load_checkpoint(str(directory), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
+    state, consumed = load_checkpoint(str(directory), fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-3))
     assert state.step == 3
+    assert consumed.ranges.tolist() == [[3, 6], [9, 10]]
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True))
 
 
@@ -90,3 +99,10 @@ def test_crafted_metadata_is_refused_not_executed(tmp_path: Path) -> None:
     with pytest.raises(AttributeError):  # the payload's return value is not metadata: DCP fails only after it ran
         dcp.FileSystemReader(str(directory)).read_metadata()
     assert marker.exists()
+
+
+def test_consumed_ids_of_a_checkpoint_written_before_ranges_still_load(tmp_path: Path) -> None:
+    directory, _ = _checkpoint(tmp_path)
+    (directory / CONSUMED_FILE).unlink()
+    np.save(directory / CONSUMED_IDS_FILE, np.array([3, 4, 5, 9], dtype=np.int64))
+    assert load_consumed(str(directory)).ranges.tolist() == [[3, 6], [9, 10]]

@@ -26,6 +26,7 @@ from torch import nn
 from raytrain.batch_plan import plan_batch
 from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_checkpoint, save_checkpoint, start_save
 from raytrain.data import rank_micro_batches
+from raytrain.id_ranges import IdRanges
 from raytrain.optim import build_optimizer
 from raytrain.parallelize import apply_parallelism
 from raytrain.ports import free_port
@@ -85,7 +86,7 @@ def _rank_main(rank: int, world: int, port: int, mode: str, out: str) -> None:
                     if mode == "save":  # two steps, checkpoint, one more step: the continuation to reproduce
                         _step(model, optimizer, 0, rank, world)
                         _step(model, optimizer, 1, rank, world)
-                        state, ids = TrainState(step=2), np.zeros(0, np.int64)
+                        state, ids = TrainState(step=2), IdRanges.from_ids(np.arange(5, 9))
                         if kind == "sync":
                             directory = save_checkpoint(model, optimizer, state, rank, ids)
                             saved = _full_params(model)

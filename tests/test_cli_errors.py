@@ -36,6 +36,7 @@ def raytrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         (("plan", "--workers"), "plan: argument --workers: expected one argument"),
         (("frobnicate",), "argument COMMAND: invalid choice: 'frobnicate'"),
         (("fit", "examples/fit_mlp.toml", "--dry-run", "--storage", "README.md"), "README.md' is not a directory"),
+        (("demo", "--storage", "s3://bucket/runs"), "--storage must be a local directory for the demo"),
         (
             (
                 "fit",
@@ -49,7 +50,7 @@ def raytrain(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
     ],
 )
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
-    storage = ("--storage", str(tmp_path / "runs")) if args[0] == "demo" else ()
+    storage = ("--storage", str(tmp_path / "runs")) if args[0] == "demo" and "--storage" not in args else ()
     done = raytrain(*args, *storage)
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -113,17 +113,17 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
     """The checkpoint bookkeeping through pyarrow's S3 client (no Ray): a whole checkpoint uploaded verifies; a
     shard cut short or missing is named; a run whose only checkpoint is damaged is refused before it starts, with
     the s3:// URI in the message. A bucket that does not exist is refused by name."""
-    import numpy as np
     import torch
     from torch import nn
 
     from raytrain.checkpoint import TrainState, save_checkpoint
     from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.id_ranges import IdRanges
     from raytrain.trainer import TrainSpec, check_resumable, check_storage
 
     model = nn.Linear(4, 1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    local = Path(save_checkpoint(model, optimizer, TrainState(step=7), 0, np.zeros(0, np.int64)))
+    local = Path(save_checkpoint(model, optimizer, TrainState(step=7), 0, IdRanges()))
     spec = TrainSpec(
         batch=BatchConfig(global_batch=4, micro_batch=2),
         lr=LRConfig(base_lr=0.1),
@@ -172,6 +172,29 @@ def test_storage_uri_options_and_filesystem_checks() -> None:
     assert secret.uri == "s3://bucket/runs/a", "credentials in a URI must not reach messages"
     with pytest.raises(ConfigError, match="storage_path 'nosuch://x' is not a URI pyarrow can open"):
         run_storage(CheckpointConfig(storage_path="nosuch://x"))
+
+
+def test_fit_dry_run_checks_an_s3_storage_uri_with_its_options(tmp_path: Path, s3_port: int) -> None:
+    """`raytrain fit --storage s3://...?endpoint_override=...` as a user types it (credentials in the environment):
+    the bucket is probed and the run's files go to --log-dir; a bucket that does not exist is refused by name."""
+    import os
+    import sys
+
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    options = f"?endpoint_override=127.0.0.1:{s3_port}&scheme=http&region=us-east-1"
+    command = [sys.executable, "-m", "raytrain.cli", "fit", "examples/fit_mlp.toml", "--dry-run", "--log-dir"]
+    ok = subprocess.run(
+        [*command, str(tmp_path), "--storage", f"s3://ckpt/cli{options}"], env=env, capture_output=True, text=True
+    )
+    assert ok.returncode == 0, ok.stderr
+    missing = subprocess.run(
+        [*command, str(tmp_path), "--storage", f"s3://no-such-bucket/cli{options}"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2
+    assert "storage_path 's3://no-such-bucket/cli/fit-mlp' is not writable" in missing.stderr
 
 
 def test_a_run_checkpointed_on_s3_resumes_there_at_another_world_size(ray_local: None, tmp_path: Path, s3: Any) -> None:
