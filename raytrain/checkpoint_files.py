@@ -72,12 +72,13 @@ def verify(directory: str, fs: Any = None) -> str | None:
     fs = _fs(fs)
     if fs.get_file_info(directory).type != pafs.FileType.Directory:
         return "the directory is missing"
-    try:
-        expected: dict[str, int] = json.loads(_read(fs, posixpath.join(directory, MANIFEST_FILE)))["files"]
-    except FileNotFoundError:
+    manifest = posixpath.join(directory, MANIFEST_FILE)
+    if fs.get_file_info(manifest).type == pafs.FileType.NotFound:
         if _written_before_manifests(directory, fs):
             return None  # raytrain 0.1 wrote no manifest: nothing to check sizes against
         return "no manifest.json (the save did not finish)"
+    try:
+        expected: dict[str, int] = json.loads(_read(fs, manifest))["files"]
     except (OSError, ValueError, KeyError) as err:
         return f"manifest.json is unreadable ({err})"
     names = sorted(expected)
@@ -147,12 +148,14 @@ def remove_uncommitted(run_dir: str, latest_committed_step: int, fs: Any = None)
     failed before Ray committed them, so that Ray's `num_to_keep`, which only counts what it committed, leaves no
     more than that on disk. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
     fs = _fs(fs)
-    removed = [path for step, path in checkpoint_dirs(run_dir, fs) if step > latest_committed_step]
-    for path in removed:
-        try:
-            fs.delete_dir(path)
-        except OSError:
-            continue
+    removed = []
+    for step, path in checkpoint_dirs(run_dir, fs):
+        if step > latest_committed_step:
+            try:
+                fs.delete_dir(path)
+            except OSError:
+                continue  # left for the next start (or Ray) to remove
+            removed.append(path)
     return removed
 
 

@@ -355,9 +355,8 @@ def _run_fit(args: argparse.Namespace) -> int:
     from raytrain.trainer import check_ray_address, check_resumable, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))
-    args.run_dir = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
-    args.checkpoint = job.spec.checkpoint
-    check_resumable(job.spec)
+    args.run_dir, args.storage_at = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
+    check_resumable(args.storage_at)
     if args.dry_run:
         print(describe_plan(job))
         return 0
@@ -418,7 +417,11 @@ def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
         "world_sizes": [s["world_size"] for s in starts],
         "restarts": max(0, len(starts) - 1),
         "final_loss": metrics[-1]["loss"] if metrics else None,
-        "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
+        "checkpoint": (
+            f"{result.storage_uri or result.run_dir}/{posixpath.basename(result.checkpoint.path)}"
+            if result.checkpoint is not None
+            else None
+        ),
     }
 
 
@@ -428,13 +431,16 @@ def _resume_hint(args: argparse.Namespace) -> str:
     import shlex
 
     from raytrain.checkpoint_files import latest_committed
-    from raytrain.storage import run_storage
 
     run_dir = getattr(args, "run_dir", None)
-    checkpoint = getattr(args, "checkpoint", None)  # `raytrain fit`: its storage may be object storage
-    storage = run_storage(checkpoint) if checkpoint is not None else None
+    storage = getattr(args, "storage_at", None)  # `raytrain fit`: its checkpoints may be on object storage
     where = storage.uri if storage is not None else run_dir
-    found = latest_committed(storage.path, storage.fs) if storage else latest_committed(run_dir) if run_dir else None
+    try:
+        found = (
+            latest_committed(storage.path, storage.fs) if storage else latest_committed(run_dir) if run_dir else None
+        )
+    except OSError as err:  # object storage unreachable while interrupted: say so, never a traceback
+        return f"the latest checkpoint in {where} could not be read ({err})"
     if found is None:
         return "no checkpoint was committed yet" + (f" in {where}" if where else "")
     step, path = found

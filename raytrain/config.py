@@ -252,6 +252,15 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not self.run_name or "/" in self.run_name or self.run_name in (".", ".."):
             raise ConfigError(f"run_name must be a non-empty name without '/', got {self.run_name!r}")
+        if not self.is_local and "@" in self.storage_path.split("://", 1)[1].split("?", 1)[0]:
+            scheme = self.storage_path.split("://", 1)[0]
+            raise ConfigError(  # the value is not echoed: it holds a secret, and checkpoints store the config
+                f"storage_path must not hold credentials (a '{scheme}://USER:SECRET@...' URI): put them in the "
+                "environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, an instance role) or pass "
+                "ElasticTrainer(storage_filesystem=...)"
+            )
+        if not self.log_dir or "://" in self.log_dir:
+            raise ConfigError(f"log_dir must be a local or shared directory, got {self.log_dir!r}")
         _int_at_least("every_steps", self.every_steps, 1)
         _int_at_least("keep", self.keep, 1)
 

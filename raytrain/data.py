@@ -73,7 +73,7 @@ class IndexedData:
         from ray.data.block import BlockAccessor
 
         block = BlockAccessor.for_block(ray.get(self.block_refs[0])).to_numpy()
-        return {name: _as_array([np.asarray(block[name])])[:rows] for name in self.columns}
+        return {name: as_column([np.asarray(block[name])])[:rows] for name in self.columns}
 
     def load_columns(self) -> dict[str, np.ndarray]:
         """Fetch every block and return one numpy array per column, rows ordered by id (call in a worker)."""
@@ -85,10 +85,10 @@ class IndexedData:
             block = BlockAccessor.for_block(table).to_numpy()
             for name in self.columns:
                 parts[name].append(np.asarray(block[name]))
-        return {name: _as_array(chunks)[self.block_row_of_position] for name, chunks in parts.items()}
+        return {name: as_column(chunks)[self.block_row_of_position] for name, chunks in parts.items()}
 
 
-def _as_array(chunks: list[np.ndarray]) -> np.ndarray:
+def as_column(chunks: list[np.ndarray]) -> np.ndarray:
     """Concatenate column chunks; a column of equal-length arrays (an Arrow list column) becomes a 2-D array."""
     column = np.concatenate(chunks)
     if column.dtype == object and len(column) and isinstance(column[0], np.ndarray):

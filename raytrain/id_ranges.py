@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+MAX_ID = np.iinfo(np.int64).max  # exclusive: the end of a range holding id MAX_ID - 1
+
 
 class IdRanges:
     """A set of int64 ids as half-open ranges [start, end): sorted by start, disjoint and never adjacent (every
@@ -25,13 +27,24 @@ class IdRanges:
         self.ranges = np.zeros((0, 2), dtype=np.int64) if ranges is None else np.asarray(ranges, dtype=np.int64)
         if self.ranges.ndim != 2 or self.ranges.shape[1] != 2:
             raise ValueError(f"id ranges must be an (R, 2) array, got shape {self.ranges.shape}")
+        starts, ends = self.ranges[:, 0], self.ranges[:, 1]
+        if not ((starts < ends).all() and (starts[1:] > ends[:-1]).all()):  # O(R): e.g. a damaged file
+            raise ValueError("id ranges must be sorted, non-empty, disjoint and not adjacent")
 
     @classmethod
     def from_ids(cls, ids: np.ndarray) -> IdRanges:
-        """The set of `ids` (any order, repeats allowed). O(n log n)."""
-        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        """The set of `ids` (integers, any order, repeats allowed; below 2**63 - 1, the end of the last range).
+        O(n log n). Raises `ValueError` for ids that are not integers or are out of range."""
+        ids = np.asarray(ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"ids must be integers, got dtype {ids.dtype}")
+        if ids.size and ids.dtype.kind == "u" and int(ids.max()) >= MAX_ID:
+            raise ValueError(f"ids must be below {MAX_ID}, got {int(ids.max())}")
+        ids = np.unique(ids.astype(np.int64))
         if ids.size == 0:
             return cls()
+        if ids[-1] >= MAX_ID:
+            raise ValueError(f"ids must be below {MAX_ID}, got {int(ids[-1])}")
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
         starts = ids[np.concatenate(([0], breaks))]
         ends = ids[np.concatenate((breaks - 1, [ids.size - 1]))] + 1

@@ -140,7 +140,7 @@ def format_bytes(num_bytes: int | float) -> str:
     """`num_bytes` in the largest unit that keeps the number >= 1: B, kB, MB, GB, TB (powers of 1000)."""
     value = float(num_bytes)
     for unit in ("B", "kB", "MB", "GB"):
-        if abs(value) < 1000:
+        if abs(float(f"{value:.3g}")) < 1000:  # as printed: 999.5 kB shows as 1 MB, not "1e+03 kB"
             return f"{value:.3g} {unit}"
         value /= 1000
     return f"{value:.3g} TB"

@@ -181,7 +181,7 @@ class ParquetIndex:
         import pyarrow.parquet as pq
         from ray.data.block import BlockAccessor
 
-        from raytrain.data import _as_array
+        from raytrain.data import as_column
 
         files = {} if files is None else files
         tables = []
@@ -193,7 +193,7 @@ class ParquetIndex:
                 files[number] = pq.ParquetFile(self.filesystem.open_input_file(self.files[number]))
             tables.append(files[number].read_row_group(int(self.chunk_group[chunk]), columns=list(self.columns)))
         block = BlockAccessor.for_block(pa.concat_tables(tables)).to_numpy()
-        out = {name: _as_array([np.asarray(block[name])]) for name in self.columns}
+        out = {name: as_column([np.asarray(block[name])]) for name in self.columns}
         if self.id_column is None:
             out["__id__"] = np.concatenate(
                 [

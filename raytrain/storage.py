@@ -10,11 +10,12 @@ A run has two places:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,18 +42,17 @@ class RunStorage:
 
 def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStorage:
     """The run directory of `checkpoint` on its filesystem: the local file system for a path, else `filesystem`
-    (a `pyarrow.fs.FileSystem`, the URI's scheme and bucket stripped as Ray's `storage_filesystem` wants) or the
-    one pyarrow derives from the URI (its query options such as `endpoint_override`, credentials from the
-    environment). Raises `ConfigError` naming the URI when pyarrow cannot make a filesystem of it."""
+    (a `pyarrow.fs.FileSystem`; the URI without its scheme and options is the path on it, as Ray's
+    `storage_filesystem` wants) or the one pyarrow derives from the URI (its query options such as
+    `endpoint_override`, credentials from the environment; `CheckpointConfig` refuses credentials in the URI).
+    Raises `ConfigError` naming the URI when pyarrow cannot make a filesystem of it."""
     import pyarrow.fs as pafs
 
     if checkpoint.is_local:
         path = os.path.join(os.path.abspath(checkpoint.storage_path), checkpoint.run_name)
         return RunStorage(pafs.LocalFileSystem(), path, path)
-    scheme, rest = checkpoint.storage_path.split("?", 1)[0].rstrip("/").split("://", 1)
-    if "@" in rest.split("/", 1)[0]:  # s3://KEY:SECRET@bucket/...: the credentials stay out of every message
-        rest = rest.split("@", 1)[1]
-    base = f"{scheme}://{rest}"
+    base = checkpoint.storage_path.split("?", 1)[0].rstrip("/")
+    rest = base.split("://", 1)[1]
     if filesystem is not None:
         root = rest
     else:
@@ -79,17 +79,29 @@ def check_writable(storage: RunStorage) -> None:
 
 
 @contextmanager
-def local_copy(directory: str, fs: Any) -> Iterator[str]:
-    """`directory` of filesystem `fs` as a local directory: itself on the local file system, else a download into
-    a temporary directory that is removed on exit."""
+def node_local_copy(
+    directory: str, fs: Any, *, node: str, local_rank: int, barrier: Callable[[], object]
+) -> Iterator[str]:
+    """`directory` of filesystem `fs` as a local directory, once per node (collective: every rank of the group
+    enters it, with `barrier` a barrier of the whole group). On the local file system: the directory itself. On
+    object storage: the node's local rank 0 downloads it into a temporary directory named by (`node`, the path),
+    the node's other ranks wait and read the same copy, and it is removed once every rank has left; so a node
+    with 8 ranks downloads a checkpoint once, not 8 times."""
     import pyarrow.fs as pafs
 
     if fs is None or isinstance(fs, pafs.LocalFileSystem):
         yield directory
         return
-    target = tempfile.mkdtemp(prefix="raytrain-restore-")
-    try:
+    key = hashlib.sha256(f"{node}|{fs.type_name}|{directory}".encode()).hexdigest()[:16]
+    target = os.path.join(tempfile.gettempdir(), f"raytrain-restore-{key}")
+    if local_rank == 0:
+        shutil.rmtree(target, ignore_errors=True)  # a copy left by a start that crashed
+        os.makedirs(target)
         pafs.copy_files(directory, target, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    barrier()
+    try:
         yield target
     finally:
-        shutil.rmtree(target, ignore_errors=True)
+        barrier()
+        if local_rank == 0:
+            shutil.rmtree(target, ignore_errors=True)

@@ -21,6 +21,7 @@ from ray.train import DataConfig
 
 from raytrain.batch_plan import BatchPlan, _even_split
 from raytrain.collectives import all_gather_ints, all_gather_objects
+from raytrain.data import as_column
 from raytrain.id_ranges import IdRanges
 
 
@@ -102,6 +103,7 @@ class StreamingShard:
             except StopIteration:
                 self.exhausted = True
                 break
+            chunk = {name: as_column([column]) for name, column in chunk.items()}  # list columns -> 2-D arrays
             if len(self.consumed.ranges):
                 keep = ~self.consumed.contains(chunk[self.id_column])
                 chunk = {k: v[keep] for k, v in chunk.items()}

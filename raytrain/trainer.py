@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,6 +36,7 @@ from raytrain.errors import ConfigError, UserCodeError
 from raytrain.parquet_source import ParquetIndex, ParquetSource, as_source
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 from raytrain.run_lock import run_lock
+from raytrain.storage import RunStorage
 from raytrain.trackers import check_trackers
 
 if TYPE_CHECKING:
@@ -59,10 +61,11 @@ class FitResult:
     metrics_path: str
     samples_path: str | None
     events_path: str
+    storage_uri: str = ""  # where the run's checkpoints are: a directory, or a URI such as s3://bucket/runs/name
 
 
-def check_storage_writable(path: str) -> None:
-    """Raise `ConfigError` naming `path` unless it is (or can be created as) a writable directory.
+def check_storage_writable(path: str, field: str = "storage_path") -> None:
+    """Raise `ConfigError` naming `field` and `path` unless it is (or can be created as) a writable directory.
 
     Creates nothing: the nearest existing ancestor must be a writable directory.
     """
@@ -71,30 +74,30 @@ def check_storage_writable(path: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         what = "is not a directory" if not os.path.isdir(probe) else "is not writable"
-        raise ConfigError(f"storage_path {path!r} is not usable: {probe!r} {what}")
+        raise ConfigError(f"{field} {path!r} is not usable: {probe!r} {what}")
 
 
-def check_storage(spec: TrainSpec, filesystem: Any = None) -> str:
+def check_storage(spec: TrainSpec, filesystem: Any = None) -> tuple[str, RunStorage]:
     """Check, without starting any worker, that the run can write where it is told to; return the run's local
-    directory (`CheckpointConfig.run_dir`). Raises `ConfigError` naming the path for a local directory that is a
-    file or not writable, or for object storage that cannot be opened or written (`raytrain.storage`)."""
+    directory (`CheckpointConfig.run_dir`) and its checkpoint storage. Raises `ConfigError` naming the field and
+    path for a local directory that is a file or not writable, or for object storage that cannot be opened or
+    written (`raytrain.storage`)."""
     from raytrain.storage import check_writable, run_storage
 
     run_dir = spec.checkpoint.run_dir()
-    check_storage_writable(run_dir)
-    if not spec.checkpoint.is_local:
-        check_writable(run_storage(spec.checkpoint, filesystem))
-    return run_dir
+    check_storage_writable(run_dir, "storage_path" if spec.checkpoint.is_local else "log_dir")
+    storage = run_storage(spec.checkpoint, filesystem)
+    if not storage.is_local:
+        check_writable(storage)
+    return run_dir, storage
 
 
-def check_resumable(spec: TrainSpec, filesystem: Any = None) -> None:
+def check_resumable(storage: RunStorage) -> None:
     """`ConfigError` before anything starts when the run's checkpoint directory (local or object storage) holds
     checkpoints and none is intact (every one has a file missing or cut short): resuming would be impossible,
     starting over would hide the data loss."""
     from raytrain.checkpoint_files import checkpoint_dirs, verify
-    from raytrain.storage import run_storage
 
-    storage = run_storage(spec.checkpoint, filesystem)
     found = checkpoint_dirs(storage.path, storage.fs)
     reasons = [(path, verify(path, storage.fs)) for _, path in found]
     if found and all(reason for _, reason in reasons):
@@ -385,11 +388,11 @@ class ElasticTrainer:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
         instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster). Holds the
         run directory's lock (`raytrain.run_lock`) throughout: the same run started again meanwhile refuses."""
-        run_dir = check_storage(self.spec, self.storage_filesystem)
+        run_dir, storage = check_storage(self.spec, self.storage_filesystem)
         with run_lock(run_dir):
-            return self._fit(run_dir)
+            return self._fit(run_dir, storage)
 
-    def _fit(self, run_dir: str) -> FitResult:
+    def _fit(self, run_dir: str, storage: RunStorage) -> FitResult:
         from ray.train import CheckpointConfig as RayCheckpointConfig
 
         # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
@@ -397,15 +400,14 @@ class ElasticTrainer:
         from ray.train.torch import TorchTrainer
         from ray.train.v2.api.exceptions import ControllerError
 
-        from raytrain.data import IndexedData, check_columns, check_numeric_columns, steps_per_epoch
+        from raytrain.data import IndexedData, as_column, check_columns, check_numeric_columns, steps_per_epoch
         from raytrain.memory_plan import format_bytes
         from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors
-        from raytrain.storage import run_storage
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
-        check_resumable(spec, self.storage_filesystem)
+        check_resumable(storage)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
@@ -438,13 +440,15 @@ class ElasticTrainer:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))
             if spec.batch.drop_last:  # counting may read the data once; only needed for this check
                 steps_per_epoch(train.count(), spec.batch.global_batch, drop_last=True)
-            first = train.take_batch(2, batch_format="numpy")
-            check_numeric_columns(train.take_batch(1000, batch_format="numpy"), self.required_columns)
-            self.check_loss_fn(first)
-            job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in first.items()})
+            head = {name: as_column([c]) for name, c in train.take_batch(1000, batch_format="numpy").items()}
+            check_numeric_columns(head, self.required_columns)
+            ids = np.asarray(head[spec.loop.id_column]) if spec.loop.id_column else None
+            if ids is not None and ids.dtype.kind not in "iu":
+                raise ConfigError(f"id_column {spec.loop.id_column!r} must hold integers, got dtype {ids.dtype}")
+            self.check_loss_fn({name: column[:2] for name, column in head.items()})
+            job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in head.items()})
             trainer_datasets["train"] = train
         cluster = spec.cluster
-        storage = run_storage(spec.checkpoint, self.storage_filesystem)
         if not storage.is_local:
             say(f"checkpoints go to {storage.uri}; the run's files (metrics, events, log) to {run_dir}")
         workers: int | tuple[int, int] = (
@@ -468,7 +472,7 @@ class ElasticTrainer:
             run_config=RunConfig(  # type: ignore[call-arg]
                 name=spec.checkpoint.run_name,
                 storage_path=posixpath.dirname(storage.path),
-                storage_filesystem=None if storage.is_local else storage.fs,
+                storage_filesystem=None if spec.checkpoint.is_local else storage.fs,
                 failure_config=FailureConfig(max_failures=cluster.max_failures),
                 checkpoint_config=RayCheckpointConfig(num_to_keep=spec.checkpoint.keep),
                 worker_runtime_env={"env_vars": worker_env()},
@@ -492,4 +496,5 @@ class ElasticTrainer:
             metrics_path=os.path.join(run_dir, METRICS_FILE),
             samples_path=os.path.join(run_dir, SAMPLES_FILE) if spec.loop.audit_samples else None,
             events_path=os.path.join(run_dir, EVENTS_FILE),
+            storage_uri=storage.uri,
         )

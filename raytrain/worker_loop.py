@@ -44,7 +44,7 @@ from raytrain.parallelize import (
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
-from raytrain.storage import local_copy
+from raytrain.storage import node_local_copy
 from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
 
@@ -238,6 +238,11 @@ def build_model(job: WorkerJob) -> nn.Module:
     return job.model_fn()
 
 
+def _run_dir_of(checkpoint_path: str) -> str:
+    """The run directory holding a checkpoint directory (Ray Train keeps them side by side)."""
+    return posixpath.dirname(checkpoint_path.rstrip("/"))
+
+
 def restore_candidates(latest: str, fs: Any = None) -> list[str]:
     """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of its run
     directory (never a newer one: written after the latest commit, it was never committed). Paths on the pyarrow
@@ -246,8 +251,9 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
         newest = read_step(latest, fs)
     except (OSError, ValueError):
         return [latest]
-    run_dir = posixpath.dirname(latest.rstrip("/"))
-    older = [path for step, path in reversed(checkpoint_dirs(run_dir, fs)) if step <= newest and path != latest]
+    older = [
+        path for step, path in reversed(checkpoint_dirs(_run_dir_of(latest), fs)) if step <= newest and path != latest
+    ]
     return [latest, *older]
 
 
@@ -259,7 +265,8 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
     checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays in storage
     (Ray deletes it in its turn); when every one is damaged, `DamagedCheckpointsError` stops the run (never a
     partial load). Every rank sees the same files, so every rank chooses the same checkpoint. On object storage
-    the chosen checkpoint is downloaded to a temporary directory by every rank."""
+    the chosen checkpoint is downloaded once per node (`node_local_copy`)."""
+    import ray
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
@@ -267,9 +274,9 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
         return TrainState(), IdRanges(), False
     fs, latest = checkpoint.filesystem, checkpoint.path
     candidates = restore_candidates(latest, fs)
-    if log.active and len(candidates) > 0:
+    if log.active:
         try:
-            for path in remove_uncommitted(posixpath.dirname(latest.rstrip("/")), read_step(latest, fs), fs):
+            for path in remove_uncommitted(_run_dir_of(latest), read_step(latest, fs), fs):
                 log.print(f"removed {posixpath.basename(path)}: written after the latest committed checkpoint")
         except (OSError, ValueError):
             pass  # the latest has no readable state: nothing to compare with (verify names it below)
@@ -282,11 +289,18 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
                     f"WARNING: checkpoint {posixpath.basename(path)} is damaged ({why}); resuming from "
                     f"{posixpath.basename(directory)}"
                 )
-            with local_copy(directory, fs) as local:
+            context = ray.train.get_context()
+            with node_local_copy(
+                directory,
+                fs,
+                node=ray.get_runtime_context().get_node_id(),
+                local_rank=context.get_local_rank(),
+                barrier=lambda: all_reduce_sum(0.0),
+            ) as local:
                 return (*load_checkpoint(local, model, optimizer), True)
         damaged.append((directory, reason))
     raise DamagedCheckpointsError(
-        "no intact checkpoint to resume from: "
+        f"no intact checkpoint in {_run_dir_of(latest)} to resume from: "
         + "; ".join(f"{posixpath.basename(path)}: {why}" for path, why in damaged)
         + " (move the run directory away to start over)"
     )

@@ -169,6 +169,12 @@ DATA_CASES: list[tuple[str, Callable[[], dict[str, Any]], dict[str, Any], str]] 
         "cannot shard optimizer",
     ),
     (
+        "streaming with float ids",
+        lambda: {**_good_columns(), "id": pa.array(np.arange(40) + 0.5)},
+        {"deterministic": False},
+        "id_column 'id' must hold integers, got dtype float64",
+    ),
+    (
         "batch larger than the data with drop_last",
         _good_columns,
         {"global_batch": 80, "drop_last": True},

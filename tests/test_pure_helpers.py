@@ -146,6 +146,26 @@ def test_consumed_id_ranges_match_set_operations(first: set[int], second: list[i
     assert ranges.contains(probe).tolist() == [int(i) in every for i in probe]
 
 
+def test_id_ranges_at_the_int64_edges_and_refusals() -> None:
+    """The lowest id and the highest storable one (2**63 - 2) are members like any other; 2**63 - 1 (the end of a
+    range cannot be stored above it), floats and a damaged (non-canonical) ranges file are refused."""
+    import numpy as np
+    import pytest
+
+    low, high = np.iinfo(np.int64).min, np.iinfo(np.int64).max - 1
+    ranges = IdRanges.from_ids(np.array([high, low, high - 1, 0], dtype=np.int64))
+    assert ranges.ranges.tolist() == [[low, low + 1], [0, 1], [high - 1, high + 1]]
+    assert ranges.contains(np.array([low, low + 1, high, high - 2, 0])).tolist() == [True, False, True, False, True]
+    with pytest.raises(ValueError, match="ids must be below"):
+        IdRanges.from_ids(np.array([high + 1]))
+    with pytest.raises(ValueError, match="ids must be below"):
+        IdRanges.from_ids(np.array([2**64 - 1], dtype=np.uint64))
+    with pytest.raises(ValueError, match="ids must be integers, got dtype float64"):
+        IdRanges().union(np.array([1.2, 1.7]))
+    with pytest.raises(ValueError, match="sorted, non-empty, disjoint and not adjacent"):
+        IdRanges(np.array([[10, 20], [0, 5]]))
+
+
 def test_consumed_ids_in_layout_order_take_one_range_per_run() -> None:
     """Ids consumed block by block with a few held back in a shuffle buffer: the ranges number the holes, not
     the ids (1e6 ids, 50 held back: at most 51 ranges, 816 bytes)."""
@@ -159,10 +179,11 @@ def test_consumed_ids_in_layout_order_take_one_range_per_run() -> None:
 def test_sizes_in_log_lines_keep_three_digits() -> None:
     from raytrain.memory_plan import format_bytes
 
-    assert [format_bytes(n) for n in (512, 27_000, 505_900, 3_200_000, 1_500_000_000, 2e13)] == [
+    assert [format_bytes(n) for n in (512, 27_000, 505_900, 999_500, 3_200_000, 1_500_000_000, 2e13)] == [
         "512 B",
         "27 kB",
         "506 kB",
+        "1 MB",
         "3.2 MB",
         "1.5 GB",
         "20 TB",

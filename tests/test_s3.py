@@ -131,13 +131,13 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
         checkpoint=CheckpointConfig(storage_path="s3://ckpt/books", run_name="r", log_dir=str(tmp_path)),
         cluster=ClusterConfig(),
     )
-    storage = run_storage(spec.checkpoint, s3)
+    run_dir, storage = check_storage(spec, s3)
+    assert run_dir == str(tmp_path / "r")
     assert (storage.path, storage.uri) == ("ckpt/books/r", "s3://ckpt/books/r")
-    assert check_storage(spec, s3) == str(tmp_path / "r")
     _upload(s3, local, "ckpt/books/r/checkpoint_7")
     assert checkpoint_dirs("ckpt/books/r", s3) == [(7, "ckpt/books/r/checkpoint_7")]
     assert verify("ckpt/books/r/checkpoint_7", s3) is None
-    check_resumable(spec, s3)  # intact: no error
+    check_resumable(storage)  # intact: no error
     shard = "ckpt/books/r/checkpoint_7/__0_0.distcp"
     size = s3.get_file_info(shard).size
     with s3.open_output_stream(shard) as out:
@@ -146,7 +146,7 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
     s3.delete_file(shard)
     assert verify("ckpt/books/r/checkpoint_7", s3) == "__0_0.distcp is missing"
     with pytest.raises(ConfigError, match=r"no intact checkpoint in s3://ckpt/books/r .*__0_0.distcp is missing"):
-        check_resumable(spec, s3)
+        check_resumable(storage)
     assert latest_committed("ckpt/books/r", s3) is None  # Ray never committed anything here
 
     strict = _client(s3_port, allow_bucket_creation=False)
@@ -161,15 +161,43 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
         check_storage(missing, strict)
 
 
+def test_uncommitted_checkpoints_on_s3_are_removed_and_older_ones_are_candidates(s3: Any) -> None:
+    """What a restart does on object storage (no Ray): the checkpoints after Ray's latest committed one are
+    deleted from the bucket; the candidates to load are the latest, then the older ones, newest first."""
+    import torch
+    from torch import nn
+
+    from raytrain.checkpoint import TrainState, save_checkpoint
+    from raytrain.checkpoint_files import remove_uncommitted
+    from raytrain.id_ranges import IdRanges
+    from raytrain.worker_loop import restore_candidates
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (3, 5, 8):  # named as Ray names them: checkpoint_<timestamp>
+        local = Path(save_checkpoint(model, optimizer, TrainState(step=step), 0, IdRanges()))
+        _upload(s3, local, f"ckpt/re/checkpoint_2026-11-30_0{step}")
+    assert [step for step, _ in checkpoint_dirs("ckpt/re", s3)] == [3, 5, 8]
+    assert remove_uncommitted("ckpt/re", 5, s3) == ["ckpt/re/checkpoint_2026-11-30_08"]
+    assert [step for step, _ in checkpoint_dirs("ckpt/re", s3)] == [3, 5]
+    assert restore_candidates("ckpt/re/checkpoint_2026-11-30_05", s3) == [
+        "ckpt/re/checkpoint_2026-11-30_05",
+        "ckpt/re/checkpoint_2026-11-30_03",
+    ]
+
+
 def test_storage_uri_options_and_filesystem_checks() -> None:
     """A URI's options reach pyarrow (no request is made); a filesystem object needs a URI storage_path."""
     storage = run_storage(
         CheckpointConfig(storage_path="s3://bucket/runs/?endpoint_override=127.0.0.1:9&scheme=http", run_name="a")
     )
     assert (storage.path, storage.uri, storage.is_local) == ("bucket/runs/a", "s3://bucket/runs/a", False)
-    uri = "s3://KEY:SECRET@bucket/runs?scheme=http&endpoint_override=127.0.0.1:9"
-    secret = run_storage(CheckpointConfig(storage_path=uri, run_name="a"))
-    assert secret.uri == "s3://bucket/runs/a", "credentials in a URI must not reach messages"
+    for uri in ("s3://AKIAKEY:hunter2@bucket/runs?scheme=http", "s3://AKIAKEY:hun/ter2@bucket/runs"):
+        with pytest.raises(ConfigError, match="storage_path must not hold credentials") as refused:
+            CheckpointConfig(storage_path=uri)  # checkpoints store the config: the secret would be in every one
+        assert "hun" not in str(refused.value) and "AKIAKEY" not in str(refused.value)
+    with pytest.raises(ConfigError, match="log_dir must be a local or shared directory, got 's3://b/logs'"):
+        CheckpointConfig(storage_path="s3://b/runs", log_dir="s3://b/logs")
     with pytest.raises(ConfigError, match="storage_path 'nosuch://x' is not a URI pyarrow can open"):
         run_storage(CheckpointConfig(storage_path="nosuch://x"))
 

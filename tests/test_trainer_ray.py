@@ -111,8 +111,21 @@ def test_unknown_strategy_and_bad_ranges_are_rejected_before_anything_runs() -> 
         )
 
 
-def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path) -> None:
-    result = make_trainer(tmp_path, "stream", workers=3, audit=True, deterministic=False).fit()
+@pytest.mark.parametrize("features", ["tensor", "list"])
+def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path, features: str) -> None:
+    """Every sample once per epoch at W = 3; the features as a tensor column or as a plain Arrow list column
+    (which Ray Data hands over as an object array of arrays: stacked into one 2-D array per read)."""
+    trainer = make_trainer(tmp_path, "stream", workers=3, audit=True, deterministic=False)
+    if features == "list":
+        import pyarrow as pa
+        import ray.data
+
+        from raytrain.toy import regression_arrays
+
+        arrays = regression_arrays(ROWS, 8, 0)
+        table = {name: pa.array(list(value)) if value.ndim > 1 else pa.array(value) for name, value in arrays.items()}
+        trainer.datasets["train"] = ray.data.from_arrow(pa.table(table))
+    result = trainer.fit()
     lines = read_jsonl(result.metrics_path)
     sizes = [m["global_batch_size"] for m in lines]
     # Exactly B at every step but each epoch's last, which holds the remainder: 4 full steps and 10 samples.
