@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def parameters(function: Any) -> list[str]:
-    return [name for name in inspect.signature(function).parameters if name != "self"]
+    """The names of `function`'s parameters, without `self` and without `_ray_trace_ctx`, which Ray's tracing adds
+    to an actor class's methods once the class has been made an actor in this process (e.g. by Ray Data)."""
+    return [name for name in inspect.signature(function).parameters if name not in ("self", "_ray_trace_ctx")]
 
 
 def field_names(cls: type) -> set[str]:
