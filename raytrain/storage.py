@@ -49,7 +49,7 @@ def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStor
     import pyarrow.fs as pafs
 
     if checkpoint.is_local:
-        path = os.path.join(os.path.abspath(checkpoint.storage_path), checkpoint.run_name)
+        path = checkpoint.run_dir()  # checkpoints and run files share the run directory
         return RunStorage(pafs.LocalFileSystem(), path, path)
     base = checkpoint.storage_path.split("?", 1)[0].rstrip("/")
     rest = base.split("://", 1)[1]

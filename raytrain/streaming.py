@@ -103,7 +103,8 @@ class StreamingShard:
             except StopIteration:
                 self.exhausted = True
                 break
-            chunk = {name: as_column([column]) for name, column in chunk.items()}  # list columns -> 2-D arrays
+            # Arrow list columns arrive as object arrays of arrays: stacked into 2-D arrays (numeric ones as they are)
+            chunk = {name: as_column([c]) if c.dtype == object else c for name, c in chunk.items()}
             if len(self.consumed.ranges):
                 keep = ~self.consumed.contains(chunk[self.id_column])
                 chunk = {k: v[keep] for k, v in chunk.items()}
