@@ -9,13 +9,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import multiprocessing
 import os
-import socket
 import statistics
 import sys
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 # Quiet Ray before anything imports it.
@@ -70,39 +67,6 @@ def median(values: Sequence[float]) -> float:
 
 
 # ---------------------------------------------------------------- gloo worlds without Ray
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def init_gloo(rank: int, world: int, port: int, timeout_s: int = 120) -> None:
-    """Join a gloo process group on localhost with one intra-op thread (as a Ray Train CPU worker has)."""
-    import torch
-    import torch.distributed as dist
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    quiet_fsdp_warnings()
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
-
-
-def spawn_world(fn: Callable[..., None], world: int, *args: Any, preload: Sequence[str] = ()) -> None:
-    """Run `fn(rank, world, port, *args)` in `world` fresh processes (forkserver: torch is imported once)."""
-    import torch.multiprocessing as mp
-
-    if preload:
-        multiprocessing.set_forkserver_preload(list(preload))
-    for attempt in range(3):
-        try:
-            mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, start_method="forkserver")
-            return
-        except mp.ProcessRaisedException as exc:  # the free port was taken before rank 0 bound it: try another
-            if attempt == 2 or "address already in use" not in str(exc).lower():
-                raise
 
 
 # ---------------------------------------------------------------- Ray

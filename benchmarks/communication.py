@@ -25,24 +25,20 @@ side-by-side ratio only.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import init_gloo, machine_line, print_headline, spawn_world, table
+from _common import machine_line, print_headline, quiet_fsdp_warnings, table
 from torch import nn
 
 from raytrain.optim import build_optimizer
-from raytrain.parallelize import apply_parallelism, gradient_sync, step_policy
+from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy
+from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import train_step
 
 WORLD = 2
@@ -197,19 +193,14 @@ def measure(rank: int, strategy: str, k: int, steps: int) -> list[dict[str, Any]
     ]
 
 
-def rank_main(rank: int, world: int, port: int, ks: list[int], steps: int, out: str) -> None:
-    init_gloo(rank, world, port)
+def rank_main(rank: int, world: int, ks: list[int], steps: int) -> list[dict[str, Any]]:
+    quiet_fsdp_warnings()
     patch_collectives()
-    try:
-        rows = []
-        for strategy in STRATEGIES:
-            for k in ks:
-                rows.extend(measure(rank, strategy, k, steps))
-        if rank == 0:
-            Path(out).write_text(json.dumps(rows))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    rows = []
+    for strategy in STRATEGIES:
+        for k in ks:
+            rows.extend(measure(rank, strategy, k, steps))
+    return rows
 
 
 def main() -> None:
@@ -219,10 +210,7 @@ def main() -> None:
     ks = [1, 8] if args.quick else [1, 2, 4, 8]
     steps = 1 if args.quick else 12
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "rows.json")
-        spawn_world(rank_main, WORLD, ks, steps, out, preload=["torch", "torch.distributed.fsdp", "raytrain"])
-        rows = json.loads(Path(out).read_text())
+    rows = run_world(rank_main, WORLD, ks, steps, preload=["torch", "torch.distributed.fsdp", "raytrain"])[0]
     params = sum(p.numel() for p in build_model().parameters())
     print(machine_line())
     print(

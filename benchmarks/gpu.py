@@ -23,22 +23,19 @@ Without CUDA it prints a table saying "skipped: no CUDA" and {"skipped": true, "
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _common import free_port, print_headline, quiet_fsdp_warnings, table
+from _common import print_headline, quiet_fsdp_warnings, table
 from torch import nn
+
+from raytrain.testing.multiprocess import run_world
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
@@ -168,7 +165,7 @@ def ddp_counting_hook(counter, bucket):  # no annotations: DDP checks them again
 
 def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> nn.Module:
     """raytrain's `apply_parallelism`; at W = 1 (where raytrain wraps nothing) the same wrapping by hand."""
-    from raytrain.parallelize import apply_parallelism
+    from raytrain.parallel.apply import apply_parallelism
 
     if strategy == "plain":
         return model.to(device)
@@ -246,26 +243,16 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     return result
 
 
-def rank_main(rank: int, world: int, port: int, args: dict[str, Any], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def rank_main(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rank (its process group joined by `run_world`: gloo for --cpu-check, else nccl on CUDA device `rank`)."""
     quiet_fsdp_warnings()
     if args["cpu"]:
         device = torch.device("cpu")
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
     else:
         device = torch.device("cuda", rank)
-        torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     patch_collectives()
-    try:
-        results = [run_strategy(s, rank, world, device, args) for s in args["strategies"]]
-        if rank == 0:
-            Path(out_dir, "results.json").write_text(json.dumps(results))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+    return [run_strategy(s, rank, world, device, args) for s in args["strategies"]]
 
 
 # ---------------------------------------------------------------- driver
@@ -312,11 +299,8 @@ def main() -> None:
         "accumulation": args.accumulation,
         "strategies": ["plain", "ddp", "zero3"] if world == 1 else ["ddp", "zero3"],
     }
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(rank_main, args=(world, free_port(), run_args, tmp), nprocs=world, start_method="spawn")
-        results = json.loads(Path(tmp, "results.json").read_text())
+    backend = "gloo" if args.cpu_check else "nccl"
+    results = run_world(rank_main, world, run_args, backend=backend, preload=("torch", "raytrain.worker_loop"))[0]
 
     tokens_per_step = world * args.accumulation * micro_batch * gpt.context
     print(

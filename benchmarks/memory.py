@@ -29,24 +29,21 @@ units) and the accumulated gradients. Printed last, as one JSON line:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import init_gloo, machine_line, print_headline, spawn_world, table
+from _common import machine_line, print_headline, quiet_fsdp_warnings, table
 from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import loop_memory
 from raytrain.memory_tracker import LiveBytes
 from raytrain.optim import build_optimizer
-from raytrain.parallelize import apply_parallelism, fsdp_units, step_policy
-from raytrain.strategy import choose_layout, unit_params
+from raytrain.parallel.apply import apply_parallelism, fsdp_units, step_policy
+from raytrain.parallel.strategy import choose_layout, unit_params
+from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import train_step
 
 WIDTH, BLOCKS, VOCAB = 128, 8, 512
@@ -134,22 +131,18 @@ def run_config(config: dict[str, Any], rank: int, full_init: bool = False) -> di
     return {"init_peak": tracker.marks["init"][1], "peak": tracker.peak, "losses": losses}
 
 
-def rank_main(rank: int, world: int, port: int, out_dir: str, rows: list[dict[str, Any]]) -> None:
-    init_gloo(rank, world, port)
-    try:
-        results = []
-        for config in rows:
-            if config["world"] != world:
-                continue
-            results.append({**config, **run_config(config, rank)})
-            dist.barrier()
-        if world == max(r["world"] for r in rows):
-            old = run_config({"world": world, "k": 1, "strategy": "zero3", "mode": "unsharded"}, rank, full_init=True)
-            results.append({"world": world, "k": 1, "strategy": "zero3", "mode": "full-init", **old})
-        Path(out_dir, f"w{world}-rank{rank}.json").write_text(json.dumps(results))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+def rank_main(rank: int, world: int, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    quiet_fsdp_warnings()
+    results = []
+    for config in rows:
+        if config["world"] != world:
+            continue
+        results.append({**config, **run_config(config, rank)})
+        dist.barrier()
+    if world == max(r["world"] for r in rows):
+        old = run_config({"world": world, "k": 1, "strategy": "zero3", "mode": "unsharded"}, rank, full_init=True)
+        results.append({"world": world, "k": 1, "strategy": "zero3", "mode": "full-init", **old})
+    return results
 
 
 def single_process_losses(k: int, world: int) -> list[float]:
@@ -182,9 +175,7 @@ def main() -> None:
     largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in meta.modules())
     measured: dict[int, list[list[dict[str, Any]]]] = {}
     for world in worlds:
-        with tempfile.TemporaryDirectory() as tmp:
-            spawn_world(rank_main, world, tmp, rows, preload=["torch", "torch.distributed.fsdp", "raytrain"])
-            measured[world] = [json.loads(Path(tmp, f"w{world}-rank{r}.json").read_text()) for r in range(world)]
+        measured[world] = run_world(rank_main, world, rows, preload=["torch", "torch.distributed.fsdp", "raytrain"])
 
     print(
         f"Peak tensor bytes per rank (LiveBytes: every allocation), {num_params:,} fp32 parameters "

@@ -33,11 +33,11 @@ def collective_device() -> torch.device:
     return device_for_backend(str(dist.get_backend())) if _active() else torch.device("cpu")
 
 
-def all_reduce_sum(value: float) -> float:
-    """`value` summed over ranks (in float64)."""
+def all_reduce_sum(value: float, group: Any = None) -> float:
+    """`value` summed over the ranks of `group` (None: every rank), in float64."""
     tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
     if _active():
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=group)
     return float(tensor.item())
 
 

@@ -145,9 +145,9 @@ def describe_plan(job: FitJob) -> str:
     """The dry-run report: the batch plan for every W in [min, max], the LR, the model (built on the meta device)
     and the peak memory per worker of each strategy at `max_workers` (`raytrain.memory_plan.loop_memory`)."""
     from raytrain.memory_plan import STRATEGIES, format_bytes, loop_memory
-    from raytrain.parallelize import fsdp_units
+    from raytrain.parallel.apply import fsdp_units
+    from raytrain.parallel.strategy import unit_params
     from raytrain.preflight import build_model_for_check
-    from raytrain.strategy import unit_params
 
     spec = job.spec
     lines = [f"global batch {spec.batch.global_batch}, micro-batch cap {spec.batch.micro_batch}"]

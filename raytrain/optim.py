@@ -96,7 +96,7 @@ def build_optimizer(
     Call in every worker after `apply_parallelism`. For zero1 this needs the default process group: also at
     W = 1, so a zero1 checkpoint always holds the consolidated optimizer state and loads at any W.
     """
-    from raytrain.parallelize import unwrap
+    from raytrain.parallel.apply import unwrap
 
     optimizer = call_optimizer_fn(optimizer_fn, unwrap(model), lr)
     return shard_optimizer(optimizer) if strategy == "zero1" else optimizer
@@ -115,19 +115,36 @@ def set_lr(optimizer: torch.optim.Optimizer, ratios: list[float], lr: float) -> 
         group["lr"] = ratio * lr
 
 
+def _by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped so that one group's tensors can share a foreach kernel: plain tensors together, DTensors
+    by device mesh (torch refuses to mix them, and a tensor-parallel model under FSDP has two meshes)."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
 def global_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of the whole global batch's gradient, the same on every rank (a collective for FSDP2).
+    """The 2-norm of the whole global batch's gradient, the same on every rank (a collective for DTensors).
 
     Call after the synchronising micro-step. DDP and zero1 hold the full, identical gradient on every rank; FSDP2
-    holds DTensor shards, whose norm is reduced over the ranks first.
+    and tensor parallelism hold DTensor shards, whose norm is reduced over their mesh first (plain tensors next to
+    them, such as the norms of a tensor-parallel model, are whole and identical on every rank).
     """
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    return total.full_tensor() if isinstance(total, DTensor) else total
+    norms = []
+    for group in _by_mesh(grads):
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.double().cpu() ** 2 for n in norms]).sum().sqrt().to(norms[0].dtype)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm: torch.Tensor | None = None) -> float:
@@ -137,5 +154,6 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm: t
     if not params:
         return 0.0
     total = global_grad_norm(params) if norm is None else norm
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    for group in _by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(params[0].device))
     return float(total)

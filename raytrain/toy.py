@@ -142,3 +142,77 @@ def adamw_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
         {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
+
+
+class GPTBlock(nn.Module):
+    """A pre-norm transformer block with separate q, k, v projections: the layout tensor parallelism splits
+    (q, k, v colwise -> `proj` rowwise; `fc` colwise -> `out` rowwise). Heads are sized by `head_dim`, so a rank
+    holding a colwise slice of q, k, v attends with its heads / tp heads."""
+
+    def __init__(self, width: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
+        self.proj = nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [n, T, width] -> [n, T, width]; causal attention."""
+        n, t, _ = x.shape
+        h = self.ln1(x)
+        q, k, v = (m(h).view(n, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, -1))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A tiny decoder-only transformer for tensor- and pipeline-parallel runs: token and position embeddings,
+    `blocks` `GPTBlock`s, a final norm and a linear head. Tokens [n, T] -> logits [n, T, vocab]."""
+
+    def __init__(self, vocab: int = 16, context: int = 8, width: int = 32, head_dim: int = 8, blocks: int = 2) -> None:
+        super().__init__()
+        self.token = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, head_dim) for _ in range(blocks))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [n, T, vocab] for tokens [n, T]."""
+        h = self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def tp_plan(self) -> dict[str, str]:
+        """The tensor-parallel plan (`raytrain.parallel.tensor`): attention and MLP split Megatron-style;
+        embeddings, norms and the head stay whole."""
+        plan = {f"blocks.*.{name}": "colwise" for name in ("q", "k", "v", "fc")}
+        plan.update({"blocks.*.proj": "rowwise", "blocks.*.out": "rowwise"})
+        return plan
+
+
+def gpt_factory(
+    vocab: int = 16, context: int = 8, width: int = 32, head_dim: int = 8, blocks: int = 2
+) -> partial[nn.Module]:
+    """A picklable `model_fn` building `GPT(...)`."""
+    return partial(GPT, vocab, context, width, head_dim, blocks)  # type: ignore[return-value]
+
+
+def token_arrays(num_rows: int, vocab: int = 16, context: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
+    """Sequences that follow a learnable rule (each token is the previous one plus a per-row step, mod `vocab`):
+    columns "id" (int64), "x" and "y" (int64 [n, context]; y is x shifted by one token)."""
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, vocab, size=(num_rows, 1))
+    step = rng.integers(1, 4, size=(num_rows, 1))
+    tokens = (start + step * np.arange(context + 1)) % vocab
+    return {"id": np.arange(num_rows, dtype=np.int64), "x": tokens[:, :-1], "y": tokens[:, 1:]}
+
+
+def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sequence mean next-token cross entropy: shape [n]."""
+    logits = model(batch["x"])
+    losses = nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="none")
+    return losses.view(batch["y"].shape).mean(dim=1)

@@ -33,19 +33,20 @@ from raytrain.faults import fault_point
 from raytrain.id_ranges import IdRanges
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
-from raytrain.parallelize import (
+from raytrain.parallel.apply import (
     SYNC_LAST_MICRO_STEP,
     StepPolicy,
     UnitsFn,
+    all_reduce_gradients,
     apply_parallelism,
     micro_step,
     step_policy,
 )
+from raytrain.parallel.strategy import resolve_layout
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
 from raytrain.storage import node_local_copy
-from raytrain.strategy import resolve_layout
 from raytrain.streaming import StreamingSteps
 
 StepSource = ParquetSteps | IndexedSteps | StreamingSteps
@@ -102,7 +103,7 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     loss_fn: LossFn,
     micro_batches: list[Batch],
-    world_size: int,
+    replicas: int,
     step_total: int,
     max_grad_norm: float | None = None,
     policy: StepPolicy = SYNC_LAST_MICRO_STEP,
@@ -111,14 +112,14 @@ def train_step(
     """One optimizer step over this rank's micro-batches (collective: every rank calls it).
 
     Each backward() adds to the gradients, so normalise by the step's global sample count here: the summed
-    per-sample loss times W / B, because DDP/FSDP then average over W. Gradients sync as `policy` says (by
-    default on the last micro-step only). Then, on the gradient of the whole global batch: its norm, which with
-    the all-reduced loss decides whether the step is finite (identically on every rank), clipping, and the
-    optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With `scaler` (fp16) the loss is
+    per-sample loss times dp / B, because DDP/FSDP then average over the `replicas` (dp) data-parallel ranks.
+    Gradients sync as `policy` says (by default on the last micro-step only). Then, on the gradient of the whole
+    global batch: its norm, which with the all-reduced loss decides whether the step is finite (identically on
+    every rank), clipping, and the optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With `scaler` (fp16) the loss is
     scaled and the gradients unscaled first; overflowing gradients are then the scaler's to skip.
     """
     optimizer.zero_grad(set_to_none=True)
-    scale = world_size / step_total
+    scale = replicas / step_total
     local_sum = 0.0
     for j, batch in enumerate(micro_batches):
         with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
@@ -133,10 +134,12 @@ def train_step(
             loss = losses.float().sum() * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         local_sum += float(losses.detach().float().sum())
+    if policy.all_reduce_gradients:
+        all_reduce_gradients(model.parameters(), policy.dp_group, replicas)
     fault_point("optimizer")
     if scaler is not None:
         scaler.unscale_(optimizer)
-    loss_sum = all_reduce_sum(local_sum)
+    loss_sum = all_reduce_sum(local_sum, policy.dp_group)
     norm = global_grad_norm(model.parameters())
     finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
     if not finite:

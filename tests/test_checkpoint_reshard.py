@@ -19,8 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from raytrain.batch_plan import plan_batch
@@ -28,8 +26,8 @@ from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_
 from raytrain.data import rank_micro_batches
 from raytrain.id_ranges import IdRanges
 from raytrain.optim import build_optimizer
-from raytrain.parallelize import apply_parallelism
-from raytrain.ports import free_port
+from raytrain.parallel.apply import apply_parallelism
+from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -70,48 +68,41 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
-def _rank_main(rank: int, world: int, port: int, mode: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _world_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]:
     results: dict[str, object] = {}
     group = checkpoint_group()
-    try:
-        for strategy in STRATEGIES:
-            for kind in KINDS:
-                model = apply_parallelism(_model(), strategy, torch.device("cpu"), world)
-                optimizer = build_optimizer(model, _sgd, 0.05, strategy)
-                key = f"{strategy}-{kind}"
-                try:
-                    if mode == "save":  # two steps, checkpoint, one more step: the continuation to reproduce
-                        _step(model, optimizer, 0, rank, world)
-                        _step(model, optimizer, 1, rank, world)
-                        state, ids = TrainState(step=2), IdRanges.from_ids(np.arange(5, 9))
-                        if kind == "sync":
-                            directory = save_checkpoint(model, optimizer, state, rank, ids)
-                            saved = _full_params(model)
-                            _step(model, optimizer, 2, rank, world)
-                        else:  # the next step runs while the files are being written
-                            pending = start_save(model, optimizer, state, rank, ids, background_group=group)
-                            saved = _full_params(model)
-                            _step(model, optimizer, 2, rank, world)
-                            directory = finish_save(pending, rank)
-                        results[key] = {"dir": directory, "saved": saved, "after": _full_params(model)}
-                    else:  # load the merged checkpoint, then take step 2
-                        state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
-                        loaded = _full_params(model)
+    for strategy in STRATEGIES:
+        for kind in KINDS:
+            model = apply_parallelism(_model(), strategy, torch.device("cpu"), world)
+            optimizer = build_optimizer(model, _sgd, 0.05, strategy)
+            key = f"{strategy}-{kind}"
+            try:
+                if mode == "save":  # two steps, checkpoint, one more step: the continuation to reproduce
+                    _step(model, optimizer, 0, rank, world)
+                    _step(model, optimizer, 1, rank, world)
+                    state, ids = TrainState(step=2), IdRanges.from_ids(np.arange(5, 9))
+                    if kind == "sync":
+                        directory = save_checkpoint(model, optimizer, state, rank, ids)
+                        saved = _full_params(model)
                         _step(model, optimizer, 2, rank, world)
-                        results[key] = {"step": state.step, "loaded": loaded, "after": _full_params(model)}
-                except Exception:
-                    results[key] = {"error": traceback.format_exc()}
-        torch.save(results, os.path.join(out, f"{mode}-w{world}-rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+                    else:  # the next step runs while the files are being written
+                        pending = start_save(model, optimizer, state, rank, ids, background_group=group)
+                        saved = _full_params(model)
+                        _step(model, optimizer, 2, rank, world)
+                        directory = finish_save(pending, rank)
+                    results[key] = {"dir": directory, "saved": saved, "after": _full_params(model)}
+                else:  # load the merged checkpoint, then take step 2
+                    state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
+                    loaded = _full_params(model)
+                    _step(model, optimizer, 2, rank, world)
+                    results[key] = {"step": state.step, "loaded": loaded, "after": _full_params(model)}
+            except Exception:
+                results[key] = {"error": traceback.format_exc()}
+    return results
 
 
 def _run(world: int, mode: str, out: Path) -> list[dict[str, dict]]:
-    mp.start_processes(_rank_main, args=(world, free_port(), mode, str(out)), nprocs=world, start_method="spawn")
-    return [torch.load(out / f"{mode}-w{world}-rank{r}.pt", weights_only=False) for r in range(world)]
+    return run_world(_world_main, world, mode, str(out))
 
 
 @pytest.fixture(scope="module")

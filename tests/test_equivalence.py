@@ -10,35 +10,30 @@ step), and AdamW with parameter groups (their own weight decay and LR ratio) und
 One case marks where the W-invariance ends: a model with dropout draws its masks per rank (`seed_step`), so at
 W = 2 it does not reproduce the single-process run.
 
-One world of W processes per W (torch.multiprocessing, forkserver by default, RAYTRAIN_TEST_START_METHOD=spawn
-also works) runs every strategy and configuration in a single gloo process group: starting processes is the
-expensive part, the runs themselves take milliseconds.
+One world of W processes per W (`raytrain.testing.multiprocess.run_world`: forkserver by default,
+RAYTRAIN_TEST_START_METHOD=spawn also works) runs every strategy and configuration in a single gloo process group:
+starting processes is the expensive part, the runs themselves take milliseconds.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import multiprocessing
-import os
 import traceback
 from dataclasses import dataclass, replace
-from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
 from raytrain.data import rank_micro_batches as _rank_micro_batches
 from raytrain.model_init import init_weights
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
-from raytrain.parallelize import apply_parallelism, gradient_sync, step_policy
-from raytrain.ports import free_port
+from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy
+from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import seed_step, train_step
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
@@ -50,7 +45,6 @@ STEPS = 3
 NUM_ROWS = 64
 TOLERANCE = 1e-6
 LR = {"sgd": 0.1, "adam": 0.01, "adamw_groups": 0.01}
-START_METHOD = os.environ.get("RAYTRAIN_TEST_START_METHOD", "forkserver")  # or "spawn"
 
 
 @dataclass(frozen=True)
@@ -366,51 +360,29 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
     return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        columns = _columns()
-        results: dict[str, dict[str, object]] = {}
-        for case in _cases_for_world(world):
-            try:
-                results[case.name] = {"params": _run_case(case, rank, columns), "error": None}
-            except Exception:
-                results[case.name] = {"params": None, "error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn_world(world: int, out_dir: Path) -> list[dict[str, dict[str, object]]]:
-    for attempt in range(3):
+def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
+    results: dict[str, dict[str, object]] = {}
+    columns = _columns()
+    for case in _cases_for_world(world):
         try:
-            args = (world, free_port(), str(out_dir))
-            mp.start_processes(_rank_main, args=args, nprocs=world, start_method=START_METHOD)
-            break
-        except mp.ProcessRaisedException as exc:  # the free port was taken before rank 0 bound it: try another
-            if attempt == 2 or "address already in use" not in str(exc).lower():
-                raise
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+            results[case.name] = {"params": _run_case(case, rank, columns), "error": None}
+        except Exception:
+            results[case.name] = {"params": None, "error": traceback.format_exc()}
+        dist.barrier()
+    return results
 
 
 @pytest.fixture(scope="module")
 def world_results(tmp_path_factory: pytest.TempPathFactory):
     """world -> rank -> case name -> {"params", "error"}; each world runs once, on first use (failures too)."""
 
-    # A fresh forkserver imports torch and raytrain once; every rank is then forked from it (the same isolation
-    # as spawn: no thread or process group of the test process is inherited, but without 3 s of imports per rank).
-    # If an earlier test already started the forkserver, the preload is ignored and ranks just import more slowly.
-    multiprocessing.set_forkserver_preload(["torch", "numpy", "raytrain.worker_loop", "torch.distributed.fsdp"])
     outcomes: dict[int, object] = {}
 
     def run(world: int) -> list[dict[str, dict[str, object]]]:
         if world not in outcomes:
             try:
-                outcomes[world] = _spawn_world(world, tmp_path_factory.mktemp(f"world{world}"))
+                preload = ("torch", "numpy", "raytrain.worker_loop", "torch.distributed.fsdp")
+                outcomes[world] = run_world(_world_main, world, preload=preload)
             except Exception as exc:
                 outcomes[world] = exc
         outcome = outcomes[world]

@@ -11,8 +11,8 @@ from raytrain.errors import ConfigError
 from raytrain.memory_plan import loop_memory
 from raytrain.memory_tracker import LiveBytes
 from raytrain.model_init import build_on_meta, check_init, init_weights
-from raytrain.parallelize import fsdp_units, repeated_blocks
-from raytrain.strategy import choose_layout, unit_params
+from raytrain.parallel.apply import fsdp_units, repeated_blocks
+from raytrain.parallel.strategy import choose_layout, unit_params
 
 
 class GPT2Like(nn.Module):

@@ -9,10 +9,16 @@ Strategy mapping (ZeRO stage -> PyTorch mechanism):
     zero3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters sharded too, gathered per unit in every
            forward and backward.
 
-`apply_parallelism` does, in this order (torchtitan's): activation checkpointing per block, `torch.compile` per
-block, FSDP units (each repeated block, then the root, with the mixed-precision policy), materialize the meta model
-on the device and initialise it (`raytrain.model_init`: only each rank's shard), DDP. At world size 1 nothing is
-sharded or wrapped: there is nobody to synchronise with.
+`apply_parallelism` does, in this order (torchtitan's): tensor parallel over the mesh's "tp" dimension
+(`raytrain.parallel.tensor`), activation checkpointing per block, `torch.compile` per block, FSDP units over the
+"dp" dimension (each repeated block, then the root, with the mixed-precision policy), materialize the meta model on
+the device and initialise it (`raytrain.model_init`: only each rank's shard), DDP. With one data-parallel replica
+nothing is sharded or wrapped on the dp axis: there is nobody to synchronise with.
+
+With tensor parallelism (`ParallelDims.model_parallel`) the dp axis is FSDP2 over `mesh["dp"]` for zero2/zero3
+(2-D, torchtitan's composition), and for ddp one all-reduce of the gradients over the dp group after the last
+micro-step (`StepPolicy.dp_group`; DDP itself takes no DTensor parameters). zero1 is refused there:
+`ZeroRedundancyOptimizer` takes plain tensors only.
 
 FSDP units: by default one unit per repeated block, i.e. each child of every `nn.ModuleList` / `nn.Sequential`
 whose children are two or more modules of one class (a transformer's layers, found generically, so a model from
@@ -20,21 +26,25 @@ another library nested as `model.transformer.h[i]` or `model.model.layers[i]` wo
 such blocks gets one unit per direct child that owns parameters. `units_fn(model) -> [modules]` chooses them
 instead, in the style of torchtitan's per-model `parallelize`.
 
-Loss normalisation contract (see `raytrain.batch_plan`): both DDP and FSDP2 average gradients over W; the loop
-multiplies the summed per-sample loss by W / B so that the average becomes the sum over the global batch.
+Loss normalisation contract (see `raytrain.batch_plan`): DDP, FSDP2 and the by-hand all-reduce average gradients
+over the dp replicas; the loop multiplies the summed per-sample loss by dp / B so that the average becomes the sum
+over the global batch. The ranks of one TP group compute the same loss on the same samples (one replica).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.model_init import init_weights
+from raytrain.parallel.dims import ParallelDims
+from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel
 
 UnitsFn = Callable[[nn.Module], list[nn.Module]]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,11 +58,17 @@ class StepPolicy:
         otherwise only the last micro-step synchronises (DDP always works this way).
     keep_params_gathered: FSDP keeps parameters unsharded from the first micro-step to the last (zero2).
     autocast_dtype: compute dtype under `torch.autocast` (mixed precision without FSDP), or None.
+    dp_group: the data-parallel process group of a model-parallel layout (None: the default group is the dp axis).
+        The step's loss is summed over it (a TP group's ranks hold the same loss once).
+    all_reduce_gradients: after the last micro-step, average the gradients over `dp_group` by hand (ddp with
+        tensor parallelism).
     """
 
     reduce_every_micro_step: bool = False
     keep_params_gathered: bool = False
     autocast_dtype: torch.dtype | None = None
+    dp_group: Any = None
+    all_reduce_gradients: bool = False
 
 
 SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step, full precision
@@ -113,8 +129,10 @@ def apply_parallelism(
     model: nn.Module,
     strategy: str,
     device: torch.device,
-    world_size: int,
+    dims: ParallelDims | int,
     *,
+    mesh: Any = None,
+    tp_plan: TPPlan | None = None,
     seed: int = 0,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
@@ -122,30 +140,45 @@ def apply_parallelism(
     units_fn: UnitsFn | None = None,
     log: Callable[[str], None] | None = None,
 ) -> nn.Module:
-    """Apply `strategy` to `model` (built on the meta device, or a real one); call once in every worker.
+    """Apply `strategy` on the dp axis, and tensor parallelism when `dims.tp` > 1, to `model` (built on the meta
+    device, or a real one); call once in every worker. `dims` may be a plain world size (dp only).
 
-    A meta model is materialized on `device` and initialised from `seed` after sharding, so each rank only ever
-    allocates its shard (plus one module's full parameters while initialising). Requires an initialised default
-    process group when `world_size` > 1. Returns the module to train. `log` receives one line describing the
-    FSDP units (zero2/zero3 only).
+    A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`) and, for tp > 1, `tp_plan` (module names ->
+    "colwise" / "rowwise", already resolved by `raytrain.parallel.tensor.resolve_plan`). A meta model is
+    materialized on `device` and initialised from `seed` after sharding, so each rank only ever allocates its
+    shard (plus one module's full parameters while initialising). Requires an initialised default process group
+    when the world has more than one rank. Returns the module to train. `log` receives one line per applied
+    parallelism (tensor parallel, FSDP units).
     """
+    dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     if strategy not in ("ddp", "zero1", "zero2", "zero3"):
         raise ConfigError(f"strategy must be one of ddp, zero1, zero2, zero3 here, got {strategy!r}")
+    if dims.model_parallel and strategy == "zero1":
+        raise ConfigError(f"strategy 'zero1' cannot be combined with tp/pp ({dims.describe()}): use zero2 or zero3")
+    if dims.model_parallel and mesh is None:
+        raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its device mesh")
+    if dims.tp > 1:
+        if not tp_plan:
+            raise ValueError("tp > 1 needs a resolved tensor-parallel plan")
+        line = apply_tensor_parallel(model, mesh["tp"], tp_plan)
+        if log is not None:
+            log(line)
     if activation_checkpointing:
         _checkpoint_blocks(model)
     if compile_blocks:
         _compile_blocks(model)
-    sharded = world_size > 1 and strategy in ("zero2", "zero3")
+    sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
     if sharded:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         dtype = DTYPES.get(precision)
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         reshard = strategy == "zero3"
+        dp_mesh = mesh["dp"] if dims.model_parallel else None
         units, why = fsdp_units(model, units_fn)
         for unit in units:
-            fully_shard(unit, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
         if log is not None:
             largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
             log(f"FSDP units: {why}; largest unit {largest:,} parameters")
@@ -154,20 +187,48 @@ def apply_parallelism(
         init_weights(model, seed)
     else:
         model.to(device)
-    if world_size > 1 and strategy in ("ddp", "zero1"):
+    if dims.dp > 1 and not dims.model_parallel and strategy in ("ddp", "zero1"):
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model
 
 
-def step_policy(strategy: str, world_size: int, precision: str, grad_accumulation: str) -> StepPolicy:
-    """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded")."""
-    sharded = world_size > 1 and strategy in ("zero2", "zero3")
+def step_policy(
+    strategy: str, dims: ParallelDims | int, precision: str, grad_accumulation: str, mesh: Any = None
+) -> StepPolicy:
+    """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
+    `mesh` is the layout's device mesh when `dims` is model-parallel."""
+    dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
+    sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
+    dp_group = mesh["dp"].get_group() if dims.model_parallel else None
     return StepPolicy(
         reduce_every_micro_step=sharded and grad_accumulation == "sharded",
         keep_params_gathered=sharded and strategy == "zero2",
         autocast_dtype=None if sharded else DTYPES.get(precision),
+        dp_group=dp_group,
+        all_reduce_gradients=dims.model_parallel and dims.dp > 1 and strategy == "ddp",
     )
+
+
+def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: Any, replicas: int) -> None:
+    """Average the gradients over the data-parallel `group` of `replicas` ranks: one all-reduce per dtype over
+    the flattened local gradients (a DTensor's local shard: its TP sharding is the same on every replica)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat.div_(replicas)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
 
 @contextlib.contextmanager

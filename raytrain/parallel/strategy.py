@@ -20,7 +20,7 @@ from torch import nn
 from raytrain.collectives import all_reduce_min
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import GB, loop_memory
-from raytrain.parallelize import UnitsFn, fsdp_units
+from raytrain.parallel.apply import UnitsFn, fsdp_units
 
 RESERVE_FRACTION = 0.2  # of a worker's memory kept for activations and temporaries
 

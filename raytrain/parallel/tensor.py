@@ -1,0 +1,93 @@
+"""Tensor parallel inside a node: the Megatron split of a block's linear layers, as a plan per model family.
+
+A plan maps module names (fnmatch patterns, e.g. "blocks.*.attn.q") to a style:
+
+    "colwise"   the weight's output features are split over the tp ranks (torch's `ColwiseParallel`): the input is
+                replicated, each rank computes its slice of the output (e.g. its attention heads, its MLP columns)
+    "rowwise"   the input features are split (`RowwiseParallel`): each rank multiplies its slice, the partial results
+                are all-reduced once, the output is replicated
+
+A block is a colwise layer followed by a rowwise one (q, k, v -> out projection; fc -> down projection): one
+all-reduce in the forward and one in the backward per pair. Modules outside the plan (embeddings, norms, the head)
+stay whole on every rank and see replicated activations; their gradients are the same on every tp rank.
+
+The plan comes from `tp_plan_fn(model)` (the per-model hook, like `units_fn`), else from the model's own
+`tp_plan()` method (raytrain's toy GPT has one). The model must size its attention heads from the tensors it
+receives (`view(b, t, -1, head_dim)`), not from a head count: a colwise q projection gives each rank heads / tp of
+them. `check_tp_plan` runs on the driver on the meta model and names every problem before any worker starts.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+
+from raytrain.errors import ConfigError
+
+TPStyle = str  # "colwise" or "rowwise"
+TPPlan = Mapping[str, TPStyle]
+TPPlanFn = Callable[[nn.Module], TPPlan]
+STYLES = ("colwise", "rowwise")
+
+
+def plan_of(model: nn.Module, tp_plan_fn: TPPlanFn | None) -> TPPlan:
+    """The tensor-parallel plan of `model`: `tp_plan_fn(model)`, else `model.tp_plan()`. Raises `ConfigError` when
+    neither exists (tensor parallelism needs to know which layers pair up)."""
+    if tp_plan_fn is not None:
+        return dict(tp_plan_fn(model))
+    own = getattr(model, "tp_plan", None)
+    if callable(own):
+        return dict(own())
+    raise ConfigError(
+        f"tp > 1 needs a tensor-parallel plan for {type(model).__name__}: pass ElasticTrainer(tp_plan_fn=...) "
+        "returning {module-name pattern: 'colwise' | 'rowwise'}, or give the model a tp_plan() method "
+        "(see raytrain.toy.GPT.tp_plan)"
+    )
+
+
+def resolve_plan(model: nn.Module, plan: TPPlan, tp: int) -> dict[str, TPStyle]:
+    """The plan expanded to module names, checked for `tp` ranks: every pattern matches at least one
+    `nn.Linear`, every style is "colwise" or "rowwise", and the split dimension (output features for colwise,
+    input features for rowwise) is a multiple of `tp`. Raises `ConfigError` naming the pattern or module."""
+    modules = dict(model.named_modules())
+    resolved: dict[str, TPStyle] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ConfigError(f"tp plan {pattern!r}: style must be one of {', '.join(STYLES)}, got {style!r}")
+        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        if not names:
+            raise ConfigError(f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}")
+        for name in names:
+            module = modules[name]
+            if not isinstance(module, nn.Linear):
+                raise ConfigError(
+                    f"tp plan: module {name!r} is a {type(module).__name__}; raytrain splits nn.Linear layers only"
+                )
+            size, what = (module.out_features, "output") if style == "colwise" else (module.in_features, "input")
+            if size % tp:
+                raise ConfigError(
+                    f"tp plan: {name!r} is {style} but its {what} features ({size}) are not a multiple of tp = {tp}"
+                )
+            resolved[name] = style
+    if not resolved:
+        raise ConfigError(f"the tp plan of {type(model).__name__} is empty: nothing would be split")
+    return resolved
+
+
+def check_tp_plan(model: nn.Module, tp_plan_fn: TPPlanFn | None, tp: int) -> dict[str, TPStyle]:
+    """Driver-side check (on the meta model): the plan exists and `resolve_plan` accepts it for `tp`."""
+    return resolve_plan(model, plan_of(model, tp_plan_fn), tp)
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Mapping[str, TPStyle]) -> str:
+    """Split `model`'s planned linear layers over `tp_mesh` in place (`parallelize_module`); returns one line for
+    the log. Call before FSDP and before materializing a meta model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in plan.items()})
+    counts = {style: sum(1 for s in plan.values() if s == style) for style in STYLES}
+    return f"tensor parallel over {tp_mesh.size()} ranks: {counts['colwise']} colwise, {counts['rowwise']} rowwise"
