@@ -148,11 +148,29 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "  raytrain demo\n"
         "  raytrain demo --events 'kill@10,remove@25,add@45' --audit-samples --json\n"
         "  raytrain demo --nodes 2 --workers 2 --events none --steps 30\n"
-        "  raytrain demo --autoscale                 # nodes from Ray's autoscaler, one spot reclaim",
+        "  raytrain demo --autoscale                 # nodes from Ray's autoscaler, one spot reclaim\n"
+        "  raytrain demo --tp 2 --nodes 2            # tensor parallel, 2 slots per node: W 4 -> 2 -> 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nodes", type=int, default=3, help="fake nodes, one worker slot each (default %(default)s)")
-    p.add_argument("--workers", default="1:3", help="elastic range MIN:MAX or a fixed N (default %(default)s)")
+    p.add_argument("--nodes", type=int, default=3, help="fake nodes (default %(default)s)")
+    p.add_argument(
+        "--slots-per-node",
+        type=int,
+        default=None,
+        help="worker slots per fake node; removing a node removes this many workers (default: tp)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree: the MLP's layers split over tp workers of one node; the world grows and "
+        "shrinks in whole replicas of tp workers (default %(default)s)",
+    )
+    p.add_argument(
+        "--workers",
+        default=None,
+        help="elastic range MIN:MAX or a fixed N (default 1:3; with --tp: tp:nodes x slots-per-node)",
+    )
     p.add_argument("--global-batch", type=int, default=96, help="effective batch per step (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=16, help="per-worker micro-batch cap (default %(default)s)")
     p.add_argument("--steps", type=int, default=240, help="optimizer steps (default %(default)s)")
@@ -228,7 +246,9 @@ def _run_demo(args: argparse.Namespace) -> int:
     from raytrain.batch_plan import parse_worker_range
     from raytrain.demo import DemoOptions, run_demo
 
-    low, high = parse_worker_range(args.workers)
+    slots = args.slots_per_node if args.slots_per_node is not None else max(1, args.tp)
+    default_workers = "1:3" if args.tp == 1 and slots == 1 else f"{args.tp}:{args.nodes * slots}"
+    low, high = parse_worker_range(args.workers if args.workers is not None else default_workers)
     if args.faults:
         from raytrain.faults import ENV, parse_faults
 
@@ -238,6 +258,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     args.run_dir = os.path.join(os.path.abspath(args.storage), args.run_name)  # for an interruption's message
     options = DemoOptions(
         nodes=args.nodes,
+        slots_per_node=slots,
+        tp=args.tp,
         min_workers=low,
         max_workers=high,
         global_batch=args.global_batch,

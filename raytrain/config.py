@@ -196,6 +196,12 @@ class ParallelConfig:
             holds them whole), zero3 re-gathers them in every micro-step.
         activation_checkpointing: recompute each block's activations in the backward instead of keeping them.
         compile: `torch.compile` each block (needs a C++ compiler on CPU; first steps pay the compilation).
+        tp: tensor-parallel degree (>= 1): each block's linear layers are split over `tp` consecutive workers of
+            one node (`raytrain.parallel.tensor`; the plan comes from `ElasticTrainer(tp_plan_fn=...)` or the
+            model's `tp_plan()`). The workers form dp = W / tp data-parallel replicas; the batch plan, the data
+            and elasticity are per replica, so W grows and shrinks in whole replicas (min_workers and max_workers
+            must be multiples of tp, and every node must hold a multiple of tp workers). The dp axis runs the
+            strategy: ddp (one gradient all-reduce per step), zero2 or zero3 (FSDP2 over dp; 2-D); not zero1.
     """
 
     init: str = "auto"
@@ -203,8 +209,11 @@ class ParallelConfig:
     grad_accumulation: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise ConfigError(f"tp must be an integer >= 1, got {self.tp!r}")
         _one_of("init", self.init, INIT_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
@@ -331,10 +340,28 @@ class TrainSpec:
                 f"precision 'fp16' needs strategy ddp or zero1 (loss scaling needs whole gradients on every rank), "
                 f"got strategy {self.loop.strategy!r}; use precision 'bf16' with zero2/zero3"
             )
-        if self.cluster.max_workers > self.batch.global_batch:
+        tp = self.parallel.tp
+        if self.cluster.max_workers // tp > self.batch.global_batch:
             raise ConfigError(
-                f"max_workers must be <= global_batch ({self.batch.global_batch}), got {self.cluster.max_workers}"
+                f"max_workers must be <= global_batch ({self.batch.global_batch})"
+                + (f" times tp ({tp})" if tp > 1 else "")
+                + f", got {self.cluster.max_workers}"
             )
+        if tp > 1:
+            for name in ("min_workers", "max_workers"):
+                value = getattr(self.cluster, name)
+                if value % tp:
+                    raise ConfigError(
+                        f"{name} must be a multiple of tp ({tp}): the world grows and shrinks in whole tensor-parallel"
+                        f" replicas, got {value}"
+                    )
+            if self.loop.strategy == "zero1":
+                raise ConfigError(
+                    "strategy 'zero1' cannot be combined with tp > 1 (ZeroRedundancyOptimizer takes plain tensors, "
+                    "tensor parallelism makes DTensors): use ddp, zero2 or zero3"
+                )
+            if self.parallel.precision == "fp16":
+                raise ConfigError("precision 'fp16' is not supported with tp > 1; use precision 'bf16'")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, stored in every checkpoint."""

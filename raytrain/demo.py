@@ -68,6 +68,8 @@ class DemoOptions:
     """Settings of one demo run (the CLI flags)."""
 
     nodes: int = 3
+    slots_per_node: int = 1  # worker slots per fake node (a tensor-parallel group must fit in one node)
+    tp: int = 1  # tensor-parallel degree: the MLP's two layers split over tp workers of a node
     min_workers: int = 1
     max_workers: int = 3
     global_batch: int = 96
@@ -92,10 +94,23 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
-        from raytrain.config import BatchConfig, ClusterConfig, LoopConfig
+        from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, ParallelConfig
 
         if self.nodes < 1:
             raise ConfigError(f"nodes must be an integer >= 1, got {self.nodes}")
+        if self.slots_per_node < 1:
+            raise ConfigError(f"slots-per-node must be an integer >= 1, got {self.slots_per_node}")
+        ParallelConfig(tp=self.tp)
+        if self.tp > 1:
+            if self.autoscale:
+                raise ConfigError("--tp > 1 runs on the demo's own fake nodes; it cannot be combined with --autoscale")
+            for name, value in (
+                ("slots-per-node", self.slots_per_node),
+                ("workers", self.min_workers),
+                ("workers", self.max_workers),
+            ):
+                if value % self.tp:
+                    raise ConfigError(f"{name} must be a multiple of tp ({self.tp}) for whole replicas, got {value}")
         if self.steps < 1:
             raise ConfigError(f"steps must be an integer >= 1, got {self.steps}")
         for name in ("epoch_steps", "checkpoint_every"):
@@ -106,7 +121,7 @@ class DemoOptions:
         BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
         ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
         LoopConfig(strategy=self.strategy, seed=self.seed)
-        if self.max_workers > self.global_batch:
+        if self.max_workers // self.tp > self.global_batch:
             raise ConfigError(f"max_workers must be <= global_batch ({self.global_batch}), got {self.max_workers}")
         kinds = {event.kind for event in parse_events(self.events)}
         if self.autoscale and kinds & set(HAND_DRIVEN_KINDS):
@@ -127,10 +142,12 @@ class DemoOptions:
     def warnings(self, embedded: bool) -> list[str]:
         """Settings that are valid but cannot take effect as asked (printed before the run starts)."""
         notes = []
-        if embedded and not self.autoscale and self.max_workers > self.nodes:
+        slots = self.nodes * self.slots_per_node
+        if embedded and not self.autoscale and self.max_workers > slots:
+            each = "one worker slot" if self.slots_per_node == 1 else f"{self.slots_per_node} worker slots"
             notes.append(
                 f"--workers allows {self.max_workers} workers but the demo cluster has {self.nodes} fake nodes with "
-                f"one worker slot each: at most {self.nodes} can run (add --nodes)"
+                f"{each} each: at most {slots} can run (add --nodes)"
             )
         for event in parse_events(self.events):
             if event.step > self.steps:
@@ -183,9 +200,9 @@ class AppliedEvent:
 
 
 class FakeCluster:
-    """A local Ray cluster: a head without worker slots and `nodes` fake nodes with one slot each."""
+    """A local Ray cluster: a head without worker slots and `nodes` fake nodes with `slots` worker slots each."""
 
-    def __init__(self, nodes: int, head_cpus: int = 2) -> None:
+    def __init__(self, nodes: int, head_cpus: int = 2, slots: int = 1) -> None:
         from ray.cluster_utils import Cluster
 
         from raytrain.ray_hooks import FAST_NODE_DEATH
@@ -199,6 +216,7 @@ class FakeCluster:
             },
         )
         self.worker_nodes: list[Any] = []
+        self.slots = slots
         for _ in range(nodes):
             self.add_node()
 
@@ -208,8 +226,8 @@ class FakeCluster:
         return str(self.cluster.address)
 
     def add_node(self) -> str:
-        """Start one more fake node with a worker slot."""
-        node = self.cluster.add_node(num_cpus=1, resources={WORKER_SLOT: 1})
+        """Start one more fake node with its worker slots (and as many logical CPUs)."""
+        node = self.cluster.add_node(num_cpus=self.slots, resources={WORKER_SLOT: self.slots})
         self.worker_nodes.append(node)
         return f"added node {node.node_id[:8]}"
 
@@ -663,9 +681,9 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
     """`run_demo` once its options are checked and the run is locked."""
     import ray
 
-    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
     from raytrain.console import init_ray
-    from raytrain.toy import adamw, mlp_factory, squared_error
+    from raytrain.toy import adamw, mlp_factory, mlp_tp_plan, squared_error
     from raytrain.trainer import ElasticTrainer, apply_ray_env_defaults, own_state_api
 
     apply_ray_env_defaults()
@@ -679,7 +697,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         cluster = (
             AutoscaledNodes(options.cluster_yaml, options.idle_timeout_s)
             if options.autoscale
-            else FakeCluster(options.nodes)
+            else FakeCluster(options.nodes, slots=options.slots_per_node)
         )
         init_ray(address=cluster.address)
         resources = {"CPU": 1.0, WORKER_SLOT: 1.0}
@@ -714,6 +732,8 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
             resources_per_worker=resources,
             resize_monitor_interval_s=options.resize_monitor_interval_s,
         ),
+        parallel=ParallelConfig(tp=options.tp),
+        tp_plan_fn=mlp_tp_plan,  # used when tp > 1: the hidden layer's units split over the tp workers
         required_columns=("x", "y"),
     )
     run_dir = trainer.spec.checkpoint.run_dir()
@@ -763,6 +783,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "global_batch_sizes": sorted({m["global_batch_size"] for m in metrics}),
         "world_sizes": [s["world_size"] for s in starts],
+        "layouts": [s.get("layout") for s in starts] if options.tp > 1 else None,
         "restarts": len(starts) - 1,
         "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
         "skipped_events": driver.skipped,

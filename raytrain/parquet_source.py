@@ -244,9 +244,11 @@ class ParquetSteps:
         drop_last: bool,
         epochs: int,
         log: Callable[[str], None] = lambda _: None,
+        replica_ranks: Sequence[int] | None = None,
     ) -> None:
         self.index, self.seed, self.plan, self.rank, self.device = index, seed, plan, rank, device
         self.drop_last, self.epochs, self.log = drop_last, epochs, log
+        self.replica_ranks = replica_ranks  # the global rank holding each replica's slice (None: rank r holds r's)
         self.num_rows = index.num_rows
         self.stats = PrefetchStats()
         self._orders: dict[int, WindowedOrder] = {}
@@ -437,10 +439,14 @@ class ParquetSteps:
         return StepData(batches, plan, np.asarray(ids, dtype=np.int64))
 
     def global_ids(self, step: Any) -> np.ndarray:
-        """All ids of `step` in rank order (collective: each rank holds only its own slice's ids)."""
+        """All ids of `step` in replica order (collective: each rank holds only its own slice's ids; the ranks of
+        one model-parallel replica hold the same slice, counted once)."""
         from raytrain.collectives import all_gather_objects
 
-        return np.concatenate(all_gather_objects(step.ids))
+        gathered = all_gather_objects(step.ids)
+        if self.replica_ranks is not None:
+            gathered = [gathered[r] for r in self.replica_ranks]
+        return np.concatenate(gathered)
 
     def consumed_ids(self) -> IdRanges:
         """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""

@@ -127,7 +127,11 @@ class Rank0Log:
         event = {**event, "previous_world_size": previous["world_size"] if previous else None, "time": time.time()}
         self._append(EVENTS_FILE, event)
         line = resize_line(
-            previous["plan"] if previous else None, event["plan"], event["lr"], previous["lr"] if previous else None
+            previous["plan"] if previous else None,
+            event["plan"],
+            event["lr"],
+            previous["lr"] if previous else None,
+            event.get("layout"),
         )
         self.print(
             f"{line}, strategy {event['strategy']}" + (f", resumed at step {restored_step}" if restored_step else "")
@@ -182,18 +186,29 @@ def progress_bar(step: int, total: int | None, width: int = 20) -> str:
     return f"[{'#' * done}{'.' * (width - done)}] {100 * step // total:>3}% "
 
 
-def resize_line(previous: dict[str, Any] | None, current: dict[str, Any], lr: float, previous_lr: float | None) -> str:
+def resize_line(
+    previous: dict[str, Any] | None,
+    current: dict[str, Any],
+    lr: float,
+    previous_lr: float | None,
+    layout: dict[str, int] | None = None,
+) -> str:
     """The line logged when the worker group (re)starts, e.g.
     ``world 3 -> 2: accumulation 2 -> 3, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged),
-    lr 3.0e-03 (unchanged)``. `previous`/`current` are `BatchPlan.to_dict()` forms."""
+    lr 3.0e-03 (unchanged)``. `previous`/`current` are `BatchPlan.to_dict()` forms (computed for the data-parallel
+    replicas). With a model-parallel `layout` ({"dp", "tp", "pp"}) the line names it:
+    ``dp 2 -> 1, tp 2, pp 1: accumulation 1 -> 2, samples/replica [4,4] -> [8], ...``."""
 
     def samples(plan: dict[str, Any]) -> str:
         return "[" + ",".join(str(n) for n in plan["per_rank_samples"]) + "]"
 
+    split = layout is not None and (layout.get("tp", 1) > 1 or layout.get("pp", 1) > 1)
+    who, per = ("dp", "samples/replica") if split else ("world", "samples/rank")
+    fixed = f", tp {layout['tp']}, pp {layout['pp']}" if split and layout is not None else ""
     if previous is None:
         return (
-            f"world {current['world_size']}: accumulation {current['accumulation_steps']}, "
-            f"samples/rank {samples(current)}, global batch {current['global_batch']}, lr {lr:.1e}"
+            f"{who} {current['world_size']}{fixed}: accumulation {current['accumulation_steps']}, "
+            f"{per} {samples(current)}, global batch {current['global_batch']}, lr {lr:.1e}"
         )
     batch_note = (
         "(unchanged)" if previous["global_batch"] == current["global_batch"] else f"(was {previous['global_batch']})"
@@ -202,7 +217,7 @@ def resize_line(previous: dict[str, Any] | None, current: dict[str, Any], lr: fl
         "(unchanged)" if previous_lr is None or abs(previous_lr - lr) <= 1e-12 * lr else f"(was {previous_lr:.1e})"
     )
     return (
-        f"world {previous['world_size']} -> {current['world_size']}: accumulation "
-        f"{previous['accumulation_steps']} -> {current['accumulation_steps']}, samples/rank {samples(previous)} -> "
+        f"{who} {previous['world_size']} -> {current['world_size']}{fixed}: accumulation "
+        f"{previous['accumulation_steps']} -> {current['accumulation_steps']}, {per} {samples(previous)} -> "
         f"{samples(current)}, global batch {current['global_batch']} {batch_note}, lr {lr:.1e} {lr_note}"
     )

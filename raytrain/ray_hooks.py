@@ -10,6 +10,9 @@ loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to t
     RefreshClusterView       after a failure, wait until the group's lost or drained nodes are marked dead, then
                              refresh the elastic policy's view of the cluster, so the first restart uses the size
                              that fits now
+    WholeReplicasPolicy      Ray Train's elastic scaling policy, counting workers in whole tensor-parallel groups per
+                             node and whole replicas in all (Ray does the same for TPU slices)
+    torch_trainer_class      TorchTrainer whose controller gets `WholeReplicasPolicy` when a replica has > 1 worker
     preemption_deadline_ms   in a worker: the drain Ray Train's preemption watcher announced for its node
     drain_node               ask the GCS to drain a node with a deadline (what a cloud's spot notice becomes)
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.controller import state as controller_state
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2.api.exceptions import ControllerError
 
 from raytrain.console import append_line, output
@@ -224,6 +228,41 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
             names = ", ".join(short_node_id(node) for node in gone)
             append_line(self.run_dir, f"[raytrain] node {names} lost (marked dead after {waited:.1f} s)")
         refresh_cluster_view()
+
+
+class WholeReplicasPolicy(ElasticScalingPolicy):
+    """Ray Train's elastic policy with one change: the workers it counts on each node are rounded down to a multiple
+    of `tp` (a tensor-parallel group never spans two nodes), and the total to a multiple of `replica` (tp * pp
+    workers train one data-parallel replica), so every size Ray Train chooses is a layout raytrain can run. Runs in
+    the controller."""
+
+    def __init__(self, scaling_config: Any, tp: int, replica: int) -> None:
+        super().__init__(scaling_config)
+        self.tp, self.replica = tp, replica
+
+    def _count_possible_workers(self, reserved_resources: Any) -> int:
+        per_node = [
+            super(WholeReplicasPolicy, self)._count_possible_workers({n: r}) for n, r in reserved_resources.items()
+        ]
+        total = min(sum(count - count % self.tp for count in per_node), self.scaling_config.max_workers)
+        return total - total % self.replica
+
+
+def torch_trainer_class(tp: int, replica: int) -> Any:
+    """`TorchTrainer`, or for a model-parallel layout (replica > 1) a subclass whose controller scales elastically
+    with `WholeReplicasPolicy` (a fixed-size run keeps Ray's fixed policy: its size is checked by the config)."""
+    from ray.train.torch import TorchTrainer
+
+    if replica == 1:
+        return TorchTrainer
+
+    class ReplicaTorchTrainer(TorchTrainer):
+        def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+            if isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
+                controller_init_kwargs["scaling_policy"] = WholeReplicasPolicy(self.scaling_config, tp, replica)
+            return super()._initialize_and_run_controller(**controller_init_kwargs)  # type: ignore[misc]
+
+    return ReplicaTorchTrainer
 
 
 def short_node_id(node_id: str) -> str:

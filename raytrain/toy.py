@@ -81,6 +81,13 @@ def mlp_factory(features: int = 8, hidden: int = 32, dropout: float = 0.0) -> pa
     return partial(mlp, features, hidden, dropout=dropout)
 
 
+def mlp_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan of `mlp`: the first linear layer colwise (each tp rank computes its slice of the
+    hidden units, tanh and dropout act on the slice), the last rowwise (partial outputs all-reduced once)."""
+    linears = [name for name, child in model.named_children() if isinstance(child, nn.Linear)]
+    return {linears[0]: "colwise", linears[-1]: "rowwise"}
+
+
 class ResidualBlock(nn.Module):
     """x + W2 tanh(W1 LayerNorm(x)): the repeated unit of `block_mlp` (one FSDP unit each)."""
 

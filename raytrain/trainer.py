@@ -219,6 +219,8 @@ class ElasticTrainer:
             like them it must depend on the step and the run's length only, never on the world size.
         parallel: `ParallelConfig` (meta init, precision, gradient accumulation, activation checkpointing).
         units_fn: optional `units_fn(model) -> [submodules]`: the FSDP units (default: each repeated block).
+        tp_plan_fn: optional `tp_plan_fn(model) -> {module-name pattern: "colwise" | "rowwise"}`: the tensor-parallel
+            plan when `parallel.tp` > 1 (default: the model's own `tp_plan()`); see `raytrain.parallel.tensor`.
         trackers: experiment trackers used on rank 0, e.g. `[raytrain.trackers.TensorBoard()]` (see
             `raytrain.trackers` for the three methods a tracker of your own needs).
         storage_filesystem: the `pyarrow.fs.FileSystem` of a URI `checkpoint.storage_path` (as Ray's
@@ -245,13 +247,14 @@ class ElasticTrainer:
         required_columns: Sequence[str] = (),
         lr_schedule_fn: Callable[[int, int], float] | None = None,
         units_fn: Callable[[nn.Module], list[nn.Module]] | None = None,
+        tp_plan_fn: Callable[[nn.Module], Any] | None = None,
         trackers: Sequence[Any] = (),
         storage_filesystem: Any = None,
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
                 raise ConfigError(f"{name} must be callable, got {fn!r}")
-        for name, hook in (("lr_schedule_fn", lr_schedule_fn), ("units_fn", units_fn)):
+        for name, hook in (("lr_schedule_fn", lr_schedule_fn), ("units_fn", units_fn), ("tp_plan_fn", tp_plan_fn)):
             if hook is not None and not callable(hook):
                 raise ConfigError(f"{name} must be callable or None, got {hook!r}")
         if "train" not in datasets:
@@ -270,6 +273,11 @@ class ElasticTrainer:
                 "deterministic=False streams a ray.data.Dataset; a ParquetSource (or a path) is always read in the "
                 "exact, W-invariant order: keep deterministic=True, or pass ray.data.read_parquet(...) to stream"
             )
+        if not self.spec.loop.deterministic and self.spec.parallel.tp > 1:
+            raise ConfigError(
+                f"tp {self.spec.parallel.tp} needs deterministic=True: in streaming mode every worker reads its own "
+                "shard, and the workers of one tensor-parallel group must train on the same samples"
+            )
         if not self.spec.loop.deterministic and not self.spec.loop.id_column:
             raise ConfigError(
                 "id_column must name a column with a unique integer id per sample when deterministic=False: "
@@ -286,6 +294,7 @@ class ElasticTrainer:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
         self.units_fn = units_fn
+        self.tp_plan_fn = tp_plan_fn
         check_trackers(list(trackers))
         self.trackers = tuple(trackers)
         if storage_filesystem is not None:
@@ -319,6 +328,11 @@ class ElasticTrainer:
             from raytrain.preflight import check_units_fn
 
             check_units_fn(self.units_fn, model)
+        if spec.parallel.tp > 1:
+            from raytrain.parallel.tensor import check_tp_plan
+
+            plan = check_tp_plan(model, self.tp_plan_fn, spec.parallel.tp)
+            say(f"tensor parallel: {len(plan)} linear layers split over tp = {spec.parallel.tp} workers of a node")
         mode = spec.parallel.init
         if mode == "full":
             blocker: str | None = "init 'full' was asked for"
@@ -379,6 +393,7 @@ class ElasticTrainer:
             optimizer_fn=self.optimizer_fn,
             lr_schedule_fn=self.lr_schedule_fn,
             units_fn=self.units_fn,
+            tp_plan_fn=self.tp_plan_fn,
             trackers=self.trackers,
             meta_init=self.meta_init,
             **data,
@@ -397,12 +412,11 @@ class ElasticTrainer:
 
         # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
         from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
         from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data import IndexedData, as_column, check_columns, check_numeric_columns, steps_per_epoch
         from raytrain.memory_plan import format_bytes
-        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors
+        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors, torch_trainer_class
         from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
@@ -458,7 +472,8 @@ class ElasticTrainer:
         )
         view = RefreshClusterView(run_dir, cluster.resize_monitor_interval_s)
         hooks = [StopRepeatedUserErrors(), RunLog(run_dir), view]
-        trainer = TorchTrainer(
+        tp = spec.parallel.tp
+        trainer = torch_trainer_class(tp, replica=tp)(
             train_loop_per_worker,
             train_loop_config={"job": job},
             datasets=trainer_datasets or None,

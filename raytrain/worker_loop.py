@@ -42,7 +42,9 @@ from raytrain.parallel.apply import (
     micro_step,
     step_policy,
 )
+from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
 from raytrain.parallel.strategy import resolve_layout
+from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
@@ -67,6 +69,7 @@ class WorkerJob:
     optimizer_fn: OptimizerFactory
     lr_schedule_fn: LRScheduleFn | None = None
     units_fn: UnitsFn | None = None
+    tp_plan_fn: TPPlanFn | None = None
     trackers: tuple[Any, ...] = ()  # experiment trackers (`raytrain.trackers`), used on rank 0
     meta_init: bool = False  # decided on the driver (`raytrain.model_init.check_init`)
     data: ParquetIndex | IndexedData | None = None  # a ParquetSource's partition, or deterministic mode's data
@@ -115,8 +118,9 @@ def train_step(
     per-sample loss times dp / B, because DDP/FSDP then average over the `replicas` (dp) data-parallel ranks.
     Gradients sync as `policy` says (by default on the last micro-step only). Then, on the gradient of the whole
     global batch: its norm, which with the all-reduced loss decides whether the step is finite (identically on
-    every rank), clipping, and the optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With `scaler` (fp16) the loss is
-    scaled and the gradients unscaled first; overflowing gradients are then the scaler's to skip.
+    every rank), clipping, and the optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With
+    `scaler` (fp16) the loss is scaled and the gradients unscaled first; overflowing gradients are then the
+    scaler's to skip.
     """
     optimizer.zero_grad(set_to_none=True)
     scale = replicas / step_total
@@ -164,9 +168,12 @@ def evaluate(
     world_size: int,
     micro_batch: int,
     device: torch.device,
+    group: Any = None,
 ) -> float:
-    """Mean per-sample loss over a validation set (collective). Rank r takes rows r, r+W, ...; every rank runs the
-    same number of forwards (some on empty batches), because FSDP's forward needs all ranks."""
+    """Mean per-sample loss over a validation set (collective). Replica r of `world_size` takes rows r, r+W, ...
+    (`rank` and `world_size` count data-parallel replicas; `group` is their process group in a model-parallel
+    layout); every rank runs the same number of forwards (some on empty batches), because FSDP's and tensor
+    parallelism's forwards need all ranks."""
     rows = len(next(iter(columns.values())))
     mine = np.arange(rank, rows, world_size)
     largest_share = math.ceil(rows / world_size)
@@ -178,7 +185,7 @@ def evaluate(
         picked = mine[j * micro_batch : (j + 1) * micro_batch]
         total += float(loss_fn(model, to_tensors({k: v[picked] for k, v in columns.items()}, device)).sum())
     model.train(was_training)
-    return all_reduce_sum(total) / rows
+    return all_reduce_sum(total, group) / rows
 
 
 def _device(use_gpu: bool, local_rank: int) -> torch.device:
@@ -197,6 +204,8 @@ class Run:
     job: WorkerJob
     rank: int
     world: int
+    dims: ParallelDims  # the layout: dp replicas of tp workers (dims.dp is what the batch plan is computed for)
+    replica: int  # this rank's data-parallel replica (its index in the batch plan)
     device: torch.device
     plan: BatchPlan
     strategy: str
@@ -310,26 +319,35 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
 
 
 def _step_source(
-    job: WorkerJob, plan: BatchPlan, rank: int, device: torch.device, consumed: IdRanges, log: Callable[[str], None]
+    job: WorkerJob,
+    plan: BatchPlan,
+    dims: ParallelDims,
+    rank: int,
+    device: torch.device,
+    consumed: IdRanges,
+    log: Callable[[str], None],
 ) -> StepSource:
     """The data of every step for this rank: the Parquet order, deterministic mode's indexed order, or the
-    streaming shard."""
+    streaming shard. Indexed by the data-parallel replica: the ranks of one model-parallel replica read the same
+    slice."""
+    replica = dims.coords(rank).dp
     spec = job.spec
     if isinstance(job.data, ParquetIndex):
         return ParquetSteps(
             job.data,
             seed=spec.loop.seed,
             plan=plan,
-            rank=rank,
+            rank=replica,
             device=device,
             drop_last=spec.batch.drop_last,
             epochs=spec.loop.epochs,
             log=log,
+            replica_ranks=dims.replica_ranks() if dims.model_parallel else None,
         )
     if spec.loop.deterministic:
         assert isinstance(job.data, IndexedData), "deterministic mode needs the driver's IndexedData"
         return IndexedSteps(
-            job.data, seed=spec.loop.seed, plan=plan, rank=rank, device=device, drop_last=spec.batch.drop_last
+            job.data, seed=spec.loop.seed, plan=plan, rank=replica, device=device, drop_last=spec.batch.drop_last
         )
     return StreamingSteps(
         id_column=spec.loop.id_column or "",
@@ -363,6 +381,7 @@ def _total_steps(spec: TrainSpec, source: StepSource, state: TrainState) -> int 
 
 def start_run(job: WorkerJob) -> Run:
     """Everything a worker-group (re)start does before its first step (collective: every rank calls it)."""
+    import ray
     import ray.train
 
     entered = time.time()
@@ -373,18 +392,24 @@ def start_run(job: WorkerJob) -> Run:
     log = Rank0Log(
         rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every, trackers=job.trackers
     )
-    plan = spec.batch.plan(world)
+    dims = ParallelDims.of(world, tp=spec.parallel.tp)
+    mesh = None
+    if dims.model_parallel:
+        check_tp_within_nodes(all_gather_objects(ray.get_runtime_context().get_node_id()), dims.tp)
+        mesh = dims.build_mesh(device.type)
+    plan = spec.batch.plan(dims.dp)
     global_batch = spec.batch.global_batch
     faults.arm(job.run_dir, rank, world)
 
     began = time.perf_counter()
     model = build_model(job)
     parallel = spec.parallel
+    tp_plan = check_tp_plan(model, job.tp_plan_fn, dims.tp) if dims.tp > 1 else None
     layout = resolve_layout(
         spec.loop.strategy,
         parallel.grad_accumulation,
         model,
-        world_size=world,
+        world_size=dims.dp,
         accumulation_steps=plan.accumulation_steps,
         precision=parallel.precision,
         device=device,
@@ -398,7 +423,9 @@ def start_run(job: WorkerJob) -> Run:
         model,
         strategy,
         device,
-        world,
+        dims,
+        mesh=mesh,
+        tp_plan=tp_plan,
         seed=spec.loop.seed,
         precision=parallel.precision,
         activation_checkpointing=parallel.activation_checkpointing,
@@ -406,7 +433,7 @@ def start_run(job: WorkerJob) -> Run:
         units_fn=job.units_fn,
         log=log.print,
     )
-    policy = step_policy(strategy, world, parallel.precision, layout.grad_accumulation)
+    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh)
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
@@ -430,11 +457,13 @@ def start_run(job: WorkerJob) -> Run:
     if warning:
         log.print(f"WARNING: {warning}")
 
-    source = _step_source(job, plan, rank, device, consumed, log.print)
+    source = _step_source(job, plan, dims, rank, device, consumed, log.print)
     run = Run(
         job=job,
         rank=rank,
         world=world,
+        dims=dims,
+        replica=dims.coords(rank).dp,
         device=device,
         plan=plan,
         strategy=strategy,
@@ -460,6 +489,7 @@ def start_run(job: WorkerJob) -> Run:
         event={
             "step": state.step,
             "world_size": world,
+            "layout": {"dp": dims.dp, "tp": dims.tp, "pp": dims.pp},
             "plan": plan.to_dict(),
             "lr": peak,
             "strategy": strategy,
@@ -478,7 +508,7 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
     lr = run.lr_at(state.step)
     set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)
-    seed_step(spec.loop.seed, state.step, run.rank, run.device)  # restart-proof random ops
+    seed_step(spec.loop.seed, state.step, run.replica, run.device)  # restart-proof; one draw per TP group
     started = time.perf_counter()
     total = step.plan.global_batch
     result = train_step(
@@ -486,7 +516,7 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
         run.optimizer,
         run.job.loss_fn,
         step.micro_batches,
-        run.world,
+        run.dims.dp,
         total,
         spec.loop.max_grad_norm,
         run.policy,
@@ -661,7 +691,14 @@ def _validate(run: Run, metrics: dict[str, Any]) -> None:
     """Add `val_loss` to `metrics` when there is a validation set (collective)."""
     if run.val_columns is not None:
         metrics["val_loss"] = evaluate(
-            run.model, run.job.loss_fn, run.val_columns, run.rank, run.world, run.plan.micro_batch_cap, run.device
+            run.model,
+            run.job.loss_fn,
+            run.val_columns,
+            run.replica,
+            run.dims.dp,
+            run.plan.micro_batch_cap,
+            run.device,
+            run.policy.dp_group,
         )
 
 

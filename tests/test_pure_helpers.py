@@ -56,6 +56,14 @@ def test_resize_line_names_both_sizes_and_the_unchanged_batch_and_lr() -> None:
     assert resize_line(None, three, 3e-3, None).startswith("world 3: accumulation 1")
 
 
+def test_resize_line_of_a_tensor_parallel_run_names_the_layout() -> None:
+    dp2, dp1 = plan_batch(8, 4, 2).to_dict(), plan_batch(8, 4, 1).to_dict()
+    line = resize_line(dp2, dp1, 1e-3, 1e-3, {"dp": 1, "tp": 2, "pp": 1})
+    assert line.startswith("dp 2 -> 1, tp 2, pp 1: accumulation 1 -> 2, samples/replica [4,4] -> [8], global batch 8")
+    assert resize_line(None, dp2, 1e-3, None, {"dp": 2, "tp": 2, "pp": 1}).startswith("dp 2, tp 2, pp 1: accum")
+    assert resize_line(None, dp2, 1e-3, None, {"dp": 2, "tp": 1, "pp": 1}).startswith("world 2: accum")
+
+
 def test_progress_bar() -> None:
     assert progress_bar(5, 20) == "[#####...............]  25% "
     assert progress_bar(5, None) == ""

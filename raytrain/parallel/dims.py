@@ -82,6 +82,11 @@ class ParallelDims:
         """The global rank at `coords` (the inverse of `coords`)."""
         return (coords.pp * self.dp + coords.dp) * self.tp + coords.tp
 
+    def replica_ranks(self) -> list[int]:
+        """One global rank per data-parallel replica, in dp order: the first rank of each replica's first stage
+        (its slice of a step's samples is the replica's)."""
+        return [self.rank_of(Coords(pp=0, dp=d, tp=0)) for d in range(self.dp)]
+
     def describe(self) -> str:
         """The layout for log lines: "dp 2, tp 2, pp 1"."""
         return f"dp {self.dp}, tp {self.tp}, pp {self.pp}"
