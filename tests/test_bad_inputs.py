@@ -25,7 +25,8 @@ from raytrain.config import (
     TrainSpec,
 )
 from raytrain.errors import ConfigError
-from raytrain.toy import squared_error
+from raytrain.toy import adamw, mlp_factory, mlp_tp_plan, squared_error
+from raytrain.trainer import ElasticTrainer
 
 CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
     (
@@ -106,6 +107,43 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
             parallel=ParallelConfig(precision="fp16"),
         ),
         "precision 'fp16' needs strategy ddp or zero1",
+    ),
+    ("tp zero", lambda: ParallelConfig(tp=0), "tp must be an integer >= 1, got 0"),
+    (
+        "tp with an odd min_workers",
+        lambda: TrainSpec(
+            batch=BatchConfig(global_batch=8, micro_batch=4),
+            lr=LRConfig(base_lr=0.1),
+            loop=LoopConfig(),
+            checkpoint=CheckpointConfig(),
+            cluster=ClusterConfig(min_workers=3, max_workers=4),
+            parallel=ParallelConfig(tp=2),
+        ),
+        r"min_workers must be a multiple of tp \(2\).*got 3",
+    ),
+    (
+        "tp with zero1",
+        lambda: TrainSpec(
+            batch=BatchConfig(global_batch=8, micro_batch=4),
+            lr=LRConfig(base_lr=0.1),
+            loop=LoopConfig(strategy="zero1"),
+            checkpoint=CheckpointConfig(),
+            cluster=ClusterConfig(min_workers=2, max_workers=4),
+            parallel=ParallelConfig(tp=2),
+        ),
+        "strategy 'zero1' cannot be combined with tp > 1",
+    ),
+    (
+        "tp with fp16",
+        lambda: TrainSpec(
+            batch=BatchConfig(global_batch=8, micro_batch=4),
+            lr=LRConfig(base_lr=0.1),
+            loop=LoopConfig(),
+            checkpoint=CheckpointConfig(),
+            cluster=ClusterConfig(min_workers=2, max_workers=4),
+            parallel=ParallelConfig(tp=2, precision="fp16"),
+        ),
+        "precision 'fp16' is not supported with tp > 1",
     ),
 ]
 
@@ -211,3 +249,35 @@ def test_streaming_without_an_id_column_and_unknown_toml_keys(tmp_path: Path) ->
     )
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['global_bach'\] in \[batch\]"):
         parse_fit_config(str(path))
+
+
+def _tp_trainer(tmp_path: Path, **options: Any) -> ElasticTrainer:
+    settings: dict[str, Any] = {
+        "model_fn": mlp_factory(8, 32),
+        "loss_fn": squared_error,
+        "optimizer_fn": adamw,
+        "datasets": {"train": str(tmp_path)},
+        "batch": BatchConfig(global_batch=8, micro_batch=4),
+        "lr": LRConfig(base_lr=0.1),
+        "cluster": ClusterConfig(min_workers=2, max_workers=4),
+        "parallel": ParallelConfig(tp=2),
+        "checkpoint": CheckpointConfig(storage_path=str(tmp_path)),
+    }
+    return ElasticTrainer(**{**settings, **options})
+
+
+def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
+    """Streaming mode, a model without a plan and a plan that does not fit the model fail before any worker."""
+    with pytest.raises(ConfigError, match="tp 2 needs deterministic=True"):
+        _tp_trainer(tmp_path, loop=LoopConfig(deterministic=False, id_column="id"), datasets={"train": object()})
+    with pytest.raises(ConfigError, match="tp > 1 needs a tensor-parallel plan for Sequential"):
+        _tp_trainer(tmp_path).check_user_functions()
+    with pytest.raises(ConfigError, match=r"output features \(32\) are not a multiple of tp = 3"):
+        bad = _tp_trainer(
+            tmp_path,
+            tp_plan_fn=mlp_tp_plan,
+            parallel=ParallelConfig(tp=3),
+            cluster=ClusterConfig(min_workers=3, max_workers=3),
+        )
+        bad.check_user_functions()
+    _tp_trainer(tmp_path, tp_plan_fn=mlp_tp_plan).check_user_functions()  # the toy MLP's plan fits tp 2

@@ -48,6 +48,36 @@ def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed
     assert removed["steps_lost"] <= 2 * 5 and added["steps_lost"] <= 2 * 5
 
 
+def test_tensor_parallel_shrinks_and_grows_in_whole_replicas(tmp_path: Path, fixed_size_losses: list[float]) -> None:
+    # tp 2 on 2 fake nodes of 2 worker slots: removing a node removes a whole replica (W 4 -> 2, dp 2 -> 1); the
+    # checkpoint written at dp 2 loads at dp 1 with tp 2 (DCP), and the curve equals the fixed 3-worker run's
+    # (no tensor parallelism) step by step.
+    summary = demo(
+        tmp_path,
+        "tp",
+        "--tp",
+        "2",
+        "--nodes",
+        "2",
+        "--events",
+        "remove@6,add@25",
+        "--steps",
+        "100",
+        "--sample-time",
+        "0.02",
+        "--checkpoint-every",
+        "5",
+    )
+    assert summary["world_sizes"] == [4, 2, 4], "expected a shrink to one replica and a grow back to two"
+    assert [layout["dp"] for layout in summary["layouts"]] == [2, 1, 2]
+    assert {layout["tp"] for layout in summary["layouts"]} == {2}
+    check_invariants(summary, 100)
+    assert_same_curve(summary, fixed_size_losses)
+    lines = summary["stderr"].splitlines()
+    assert any("dp 2 -> 1, tp 2, pp 1: accumulation" in line for line in lines)
+    assert any("dp 1 -> 2, tp 2, pp 1: accumulation" in line for line in lines)
+
+
 def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[float]) -> None:
     # A drain (a spot notice, a scale-down) announces the node's removal 8 s ahead: the workers commit a checkpoint
     # after the step they are in and train nothing more, so the group restarts at 2 from exactly that step.

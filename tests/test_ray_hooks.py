@@ -141,3 +141,27 @@ def test_ray_is_pinned_to_the_minor_version_these_names_were_read_from() -> None
     assert high == (low[0], low[1] + 1), f"ray pinned to {low}..{high}: one minor version at a time"
     installed = tuple(int(part) for part in ray.__version__.split(".")[:2])
     assert low <= installed < high, f"ray {ray.__version__} installed, pyproject allows {low}..{high}"
+
+
+def test_the_elastic_policy_hooks_whole_replicas_counts_per_node() -> None:
+    """`WholeReplicasPolicy` overrides Ray's per-node worker count and `torch_trainer_class` the controller start;
+    with tp 2, 3 + 2 free slots hold 2 + 2 workers (no TP group across nodes), and replicas of 4 round 6 to 4."""
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    from raytrain.ray_hooks import WholeReplicasPolicy, torch_trainer_class
+
+    assert parameters(ElasticScalingPolicy._count_possible_workers) == ["reserved_resources"]
+    assert parameters(ElasticScalingPolicy.__init__) == ["scaling_config"]
+    assert "scaling_policy" in inspect.getsource(TorchTrainer.fit)  # passed to _initialize_and_run_controller
+    assert parameters(TorchTrainer._initialize_and_run_controller) == ["controller_init_kwargs"]
+    config = ScalingConfig(num_workers=(2, 8), resources_per_worker={"CPU": 1, "worker_slot": 1})
+    nodes = {"a": {"CPU": 3, "worker_slot": 3}, "b": {"CPU": 2, "worker_slot": 2}}
+    assert ElasticScalingPolicy(config)._count_possible_workers(nodes) == 5  # Ray alone: a TP group across a and b
+    assert WholeReplicasPolicy(config, tp=2, replica=2)._count_possible_workers(nodes) == 4
+    assert WholeReplicasPolicy(config, tp=2, replica=2)._count_possible_workers({"a": nodes["a"]}) == 2
+    three = {**nodes, "c": {"CPU": 2, "worker_slot": 2}}
+    assert WholeReplicasPolicy(config, tp=2, replica=4)._count_possible_workers(three) == 4
+    assert torch_trainer_class(1, 1) is TorchTrainer
+    assert issubclass(torch_trainer_class(2, 2), TorchTrainer)
