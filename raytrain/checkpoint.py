@@ -33,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -113,6 +114,9 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
 
 
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def start_save(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -138,7 +142,9 @@ def start_save(
         if rank == 0:
             torch.save(optimizer.state_dict(), os.path.join(directory, ZERO1_OPTIMIZER_FILE))
     else:
-        sharded["optim"] = get_optimizer_state_dict(model, optimizer)
+        # Flattened: every parameter group's options stored under each of its parameters' names, so ranks holding
+        # different parameters (pipeline stages) never write the same key with different values.
+        sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=FLAT)
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
@@ -181,12 +187,15 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     zero1 = _is_zero_optimizer(optimizer)
     zero1_file = os.path.join(directory, ZERO1_OPTIMIZER_FILE)
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
+    reader = SafeReader(directory)
+    # Checkpoints written before the optimizer state was flattened hold one "optim.param_groups" list.
+    options = None if "optim.param_groups" in reader.read_metadata().state_dict_metadata else FLAT
     if not os.path.exists(zero1_file):
-        sharded["optim"] = get_optimizer_state_dict(model, optimizer)
-    dcp.load(sharded, storage_reader=SafeReader(directory), planner=SafeLoadPlanner())
+        sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
+    dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())
     set_model_state_dict(model, sharded["model"])
     if "optim" in sharded and not zero1:
-        set_optimizer_state_dict(model, optimizer, sharded["optim"])
+        set_optimizer_state_dict(model, optimizer, sharded["optim"], options=options)
     elif os.path.exists(zero1_file):
         full = torch.load(zero1_file, weights_only=True, map_location="cpu")
         optimizer.load_state_dict(full)

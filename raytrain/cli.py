@@ -149,7 +149,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "  raytrain demo --events 'kill@10,remove@25,add@45' --audit-samples --json\n"
         "  raytrain demo --nodes 2 --workers 2 --events none --steps 30\n"
         "  raytrain demo --autoscale                 # nodes from Ray's autoscaler, one spot reclaim\n"
-        "  raytrain demo --tp 2 --nodes 2            # tensor parallel, 2 slots per node: W 4 -> 2 -> 4",
+        "  raytrain demo --tp 2 --nodes 2            # tensor parallel, 2 slots per node: W 4 -> 2 -> 4\n"
+        "  raytrain demo --pp 2 --nodes 4            # pipeline parallel across nodes: W 4 -> 2 -> 4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=3, help="fake nodes (default %(default)s)")
@@ -167,9 +168,16 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "shrinks in whole replicas of tp workers (default %(default)s)",
     )
     p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="pipeline stages: the MLP cut in pp stages on pp workers (GPipe over the accumulation micro-batches); "
+        "a replica is tp x pp workers (default %(default)s)",
+    )
+    p.add_argument(
         "--workers",
         default=None,
-        help="elastic range MIN:MAX or a fixed N (default 1:3; with --tp: tp:nodes x slots-per-node)",
+        help="elastic range MIN:MAX or a fixed N (default 1:3; with --tp or --pp: tp x pp:nodes x slots-per-node)",
     )
     p.add_argument("--global-batch", type=int, default=96, help="effective batch per step (default %(default)s)")
     p.add_argument("--micro-batch", type=int, default=16, help="per-worker micro-batch cap (default %(default)s)")
@@ -247,7 +255,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from raytrain.demo import DemoOptions, run_demo
 
     slots = args.slots_per_node if args.slots_per_node is not None else max(1, args.tp)
-    default_workers = "1:3" if args.tp == 1 and slots == 1 else f"{args.tp}:{args.nodes * slots}"
+    replica = max(1, args.tp) * max(1, args.pp)
+    default_workers = "1:3" if replica == 1 and slots == 1 else f"{replica}:{args.nodes * slots}"
     low, high = parse_worker_range(args.workers if args.workers is not None else default_workers)
     if args.faults:
         from raytrain.faults import ENV, parse_faults
@@ -260,6 +269,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         slots_per_node=slots,
         tp=args.tp,
+        pp=args.pp,
         min_workers=low,
         max_workers=high,
         global_batch=args.global_batch,

@@ -202,6 +202,10 @@ class ParallelConfig:
             and elasticity are per replica, so W grows and shrinks in whole replicas (min_workers and max_workers
             must be multiples of tp, and every node must hold a multiple of tp workers). The dp axis runs the
             strategy: ddp (one gradient all-reduce per step), zero2 or zero3 (FSDP2 over dp; 2-D); not zero1.
+        pp: pipeline stages (>= 1): an `nn.Sequential` model is cut into `pp` stages of balanced parameter counts
+            (`raytrain.parallel.pipeline`), one per worker of a replica, and raytrain's accumulation micro-batches
+            flow through them (GPipe). A replica is tp * pp workers (TP innermost, stages across nodes); the same
+            rules as for tp apply to min_workers, max_workers, the strategy and the precision.
     """
 
     init: str = "auto"
@@ -210,16 +214,24 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     compile: bool = False
     tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
-            raise ConfigError(f"tp must be an integer >= 1, got {self.tp!r}")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         _one_of("init", self.init, INIT_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         for name in ("activation_checkpointing", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def replica(self) -> int:
+        """Workers per data-parallel replica: tp * pp."""
+        return self.tp * self.pp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,28 +352,29 @@ class TrainSpec:
                 f"precision 'fp16' needs strategy ddp or zero1 (loss scaling needs whole gradients on every rank), "
                 f"got strategy {self.loop.strategy!r}; use precision 'bf16' with zero2/zero3"
             )
-        tp = self.parallel.tp
-        if self.cluster.max_workers // tp > self.batch.global_batch:
+        replica = self.parallel.replica
+        if self.cluster.max_workers // replica > self.batch.global_batch:
             raise ConfigError(
                 f"max_workers must be <= global_batch ({self.batch.global_batch})"
-                + (f" times tp ({tp})" if tp > 1 else "")
+                + (f" times tp * pp ({replica})" if replica > 1 else "")
                 + f", got {self.cluster.max_workers}"
             )
-        if tp > 1:
+        if replica > 1:
+            what = f"tp * pp ({self.parallel.tp} * {self.parallel.pp} = {replica})"
             for name in ("min_workers", "max_workers"):
                 value = getattr(self.cluster, name)
-                if value % tp:
+                if value % replica:
                     raise ConfigError(
-                        f"{name} must be a multiple of tp ({tp}): the world grows and shrinks in whole tensor-parallel"
-                        f" replicas, got {value}"
+                        f"{name} must be a multiple of {what}: the world grows and shrinks in whole model-parallel "
+                        f"replicas, got {value}"
                     )
             if self.loop.strategy == "zero1":
                 raise ConfigError(
-                    "strategy 'zero1' cannot be combined with tp > 1 (ZeroRedundancyOptimizer takes plain tensors, "
-                    "tensor parallelism makes DTensors): use ddp, zero2 or zero3"
+                    "strategy 'zero1' cannot be combined with tp or pp > 1 (ZeroRedundancyOptimizer takes plain "
+                    "tensors of the whole model): use ddp, zero2 or zero3"
                 )
             if self.parallel.precision == "fp16":
-                raise ConfigError("precision 'fp16' is not supported with tp > 1; use precision 'bf16'")
+                raise ConfigError("precision 'fp16' is not supported with tp or pp > 1; use precision 'bf16'")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, stored in every checkpoint."""

@@ -70,6 +70,7 @@ class DemoOptions:
     nodes: int = 3
     slots_per_node: int = 1  # worker slots per fake node (a tensor-parallel group must fit in one node)
     tp: int = 1  # tensor-parallel degree: the MLP's two layers split over tp workers of a node
+    pp: int = 1  # pipeline stages: the MLP cut in pp stages, one per worker of a replica (across nodes)
     min_workers: int = 1
     max_workers: int = 3
     global_batch: int = 96
@@ -100,17 +101,20 @@ class DemoOptions:
             raise ConfigError(f"nodes must be an integer >= 1, got {self.nodes}")
         if self.slots_per_node < 1:
             raise ConfigError(f"slots-per-node must be an integer >= 1, got {self.slots_per_node}")
-        ParallelConfig(tp=self.tp)
-        if self.tp > 1:
+        replica = ParallelConfig(tp=self.tp, pp=self.pp).replica
+        if replica > 1:
             if self.autoscale:
-                raise ConfigError("--tp > 1 runs on the demo's own fake nodes; it cannot be combined with --autoscale")
-            for name, value in (
-                ("slots-per-node", self.slots_per_node),
-                ("workers", self.min_workers),
-                ("workers", self.max_workers),
-            ):
-                if value % self.tp:
-                    raise ConfigError(f"{name} must be a multiple of tp ({self.tp}) for whole replicas, got {value}")
+                raise ConfigError("--tp/--pp > 1 run on the demo's own fake nodes; not with --autoscale")
+            if self.slots_per_node % self.tp:
+                raise ConfigError(
+                    f"slots-per-node must be a multiple of tp ({self.tp}) to hold whole tensor-parallel groups, got "
+                    f"{self.slots_per_node}"
+                )
+            for value in (self.min_workers, self.max_workers):
+                if value % replica:
+                    raise ConfigError(
+                        f"workers must be multiples of tp * pp ({replica}) for whole replicas, got {value}"
+                    )
         if self.steps < 1:
             raise ConfigError(f"steps must be an integer >= 1, got {self.steps}")
         for name in ("epoch_steps", "checkpoint_every"):
@@ -121,7 +125,7 @@ class DemoOptions:
         BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
         ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
         LoopConfig(strategy=self.strategy, seed=self.seed)
-        if self.max_workers // self.tp > self.global_batch:
+        if self.max_workers // replica > self.global_batch:
             raise ConfigError(f"max_workers must be <= global_batch ({self.global_batch}), got {self.max_workers}")
         kinds = {event.kind for event in parse_events(self.events)}
         if self.autoscale and kinds & set(HAND_DRIVEN_KINDS):
@@ -732,7 +736,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
             resources_per_worker=resources,
             resize_monitor_interval_s=options.resize_monitor_interval_s,
         ),
-        parallel=ParallelConfig(tp=options.tp),
+        parallel=ParallelConfig(tp=options.tp, pp=options.pp),
         tp_plan_fn=mlp_tp_plan,  # used when tp > 1: the hidden layer's units split over the tp workers
         required_columns=("x", "y"),
     )
@@ -783,7 +787,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "global_batch_sizes": sorted({m["global_batch_size"] for m in metrics}),
         "world_sizes": [s["world_size"] for s in starts],
-        "layouts": [s.get("layout") for s in starts] if options.tp > 1 else None,
+        "layouts": [s.get("layout") for s in starts] if options.tp * options.pp > 1 else None,
         "restarts": len(starts) - 1,
         "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
         "skipped_events": driver.skipped,

@@ -112,6 +112,11 @@ def block_mlp(features: int = 8, width: int = 32, blocks: int = 4) -> nn.Module:
     )
 
 
+def block_mlp_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The tensor-parallel plan of `block_mlp`: each residual block's up projection colwise, down rowwise."""
+    return {"1.*.up": "colwise", "1.*.down": "rowwise"}
+
+
 def block_mlp_factory(features: int = 8, width: int = 32, blocks: int = 4) -> partial[nn.Module]:
     """A picklable `model_fn` building `block_mlp(features, width, blocks)`."""
     return partial(block_mlp, features, width, blocks)

@@ -273,10 +273,11 @@ class ElasticTrainer:
                 "deterministic=False streams a ray.data.Dataset; a ParquetSource (or a path) is always read in the "
                 "exact, W-invariant order: keep deterministic=True, or pass ray.data.read_parquet(...) to stream"
             )
-        if not self.spec.loop.deterministic and self.spec.parallel.tp > 1:
+        if not self.spec.loop.deterministic and self.spec.parallel.replica > 1:
             raise ConfigError(
-                f"tp {self.spec.parallel.tp} needs deterministic=True: in streaming mode every worker reads its own "
-                "shard, and the workers of one tensor-parallel group must train on the same samples"
+                f"tp {self.spec.parallel.tp} and pp {self.spec.parallel.pp} need deterministic=True: in streaming "
+                "mode every worker reads its own shard, and the workers of one model-parallel replica must train on "
+                "the same samples"
             )
         if not self.spec.loop.deterministic and not self.spec.loop.id_column:
             raise ConfigError(
@@ -333,6 +334,16 @@ class ElasticTrainer:
 
             plan = check_tp_plan(model, self.tp_plan_fn, spec.parallel.tp)
             say(f"tensor parallel: {len(plan)} linear layers split over tp = {spec.parallel.tp} workers of a node")
+        if spec.parallel.pp > 1:
+            from raytrain.parallel.pipeline import pipeline_units, stage_bounds
+
+            units = pipeline_units(model)
+            counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
+            sizes = [sum(counts[a:b]) for a, b in stage_bounds(counts, spec.parallel.pp)]
+            say(
+                f"pipeline parallel: {len(units)} units in {spec.parallel.pp} stages of "
+                f"{', '.join(f'{n:,}' for n in sizes)} parameters (GPipe over the accumulation micro-batches)"
+            )
         mode = spec.parallel.init
         if mode == "full":
             blocker: str | None = "init 'full' was asked for"
@@ -363,6 +374,11 @@ class ElasticTrainer:
         note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
         if note:
             say(note)
+        if self.spec.parallel.pp > 1:
+            from raytrain.data import to_tensors
+            from raytrain.parallel.pipeline import model_inputs
+
+            model_inputs(self.loss_fn, to_tensors(sample, "cpu"))  # the first stage's input: one tensor
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
@@ -472,8 +488,7 @@ class ElasticTrainer:
         )
         view = RefreshClusterView(run_dir, cluster.resize_monitor_interval_s)
         hooks = [StopRepeatedUserErrors(), RunLog(run_dir), view]
-        tp = spec.parallel.tp
-        trainer = torch_trainer_class(tp, replica=tp)(
+        trainer = torch_trainer_class(spec.parallel.tp, replica=spec.parallel.replica)(
             train_loop_per_worker,
             train_loop_config={"job": job},
             datasets=trainer_datasets or None,

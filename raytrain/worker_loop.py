@@ -39,10 +39,12 @@ from raytrain.parallel.apply import (
     UnitsFn,
     all_reduce_gradients,
     apply_parallelism,
+    backward_sync,
     micro_step,
     step_policy,
 )
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
+from raytrain.parallel.pipeline import gpipe_step
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
@@ -124,27 +126,21 @@ def train_step(
     """
     optimizer.zero_grad(set_to_none=True)
     scale = replicas / step_total
-    local_sum = 0.0
-    for j, batch in enumerate(micro_batches):
-        with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
-            fault_point("forward")
-            losses = loss_fn(model, batch)
-            rows = len(next(iter(batch.values())))
-            if losses.dim() != 1 or losses.shape[0] != rows:
-                raise ValueError(
-                    f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
-                )
-            fault_point("backward")
-            loss = losses.float().sum() * scale
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        local_sum += float(losses.detach().float().sum())
+    if policy.pipeline is not None:  # the one branch for pipelining: GPipe over the same micro-batches
+        device = next(model.parameters()).device
+        sync = backward_sync(model, policy)
+        local_sum = gpipe_step(model, micro_batches, loss_fn, scale, policy.pipeline, device, sync)
+    else:
+        local_sum = _micro_steps(model, loss_fn, micro_batches, scale, policy, scaler)
     if policy.all_reduce_gradients:
         all_reduce_gradients(model.parameters(), policy.dp_group, replicas)
     fault_point("optimizer")
     if scaler is not None:
         scaler.unscale_(optimizer)
-    loss_sum = all_reduce_sum(local_sum, policy.dp_group)
+    loss_sum = all_reduce_sum(local_sum if policy.counts_loss else 0.0)
     norm = global_grad_norm(model.parameters())
+    if policy.pp_group is not None:  # each stage holds its own parameters: the squares add up over the pipeline
+        norm = torch.tensor(math.sqrt(all_reduce_sum(float(norm) ** 2, policy.pp_group)), dtype=norm.dtype)
     finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
     if not finite:
         optimizer.zero_grad(set_to_none=True)
@@ -159,6 +155,32 @@ def train_step(
     return StepResult(loss_sum, float(norm), stepped=True)
 
 
+def _micro_steps(
+    model: nn.Module,
+    loss_fn: LossFn,
+    micro_batches: list[Batch],
+    scale: float,
+    policy: StepPolicy,
+    scaler: torch.amp.GradScaler | None,
+) -> float:
+    """Forward and backward of each micro-batch, gradients accumulating; returns the summed per-sample loss."""
+    local_sum = 0.0
+    for j, batch in enumerate(micro_batches):
+        with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
+            fault_point("forward")
+            losses = loss_fn(model, batch)
+            rows = len(next(iter(batch.values())))
+            if losses.dim() != 1 or losses.shape[0] != rows:
+                raise ValueError(
+                    f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
+                )
+            fault_point("backward")
+            loss = losses.float().sum() * scale
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        local_sum += float(losses.detach().float().sum())
+    return local_sum
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -168,12 +190,12 @@ def evaluate(
     world_size: int,
     micro_batch: int,
     device: torch.device,
-    group: Any = None,
+    policy: StepPolicy = SYNC_LAST_MICRO_STEP,
 ) -> float:
     """Mean per-sample loss over a validation set (collective). Replica r of `world_size` takes rows r, r+W, ...
-    (`rank` and `world_size` count data-parallel replicas; `group` is their process group in a model-parallel
-    layout); every rank runs the same number of forwards (some on empty batches), because FSDP's and tensor
-    parallelism's forwards need all ranks."""
+    (`rank` and `world_size` count data-parallel replicas; `policy` says which ranks' sums count and whether the
+    forward is a pipeline's); every rank runs the same number of forwards (some on empty batches), because the
+    forwards of FSDP, tensor and pipeline parallelism need all ranks."""
     rows = len(next(iter(columns.values())))
     mine = np.arange(rank, rows, world_size)
     largest_share = math.ceil(rows / world_size)
@@ -183,9 +205,13 @@ def evaluate(
     total = 0.0
     for j in range(chunks):
         picked = mine[j * micro_batch : (j + 1) * micro_batch]
-        total += float(loss_fn(model, to_tensors({k: v[picked] for k, v in columns.items()}, device)).sum())
+        batch = to_tensors({k: v[picked] for k, v in columns.items()}, device)
+        if policy.pipeline is not None:
+            total += gpipe_step(model, [batch], loss_fn, 1.0, policy.pipeline, device, backward=False)
+        else:
+            total += float(loss_fn(model, batch).sum())
     model.train(was_training)
-    return all_reduce_sum(total, group) / rows
+    return all_reduce_sum(total if policy.counts_loss else 0.0) / rows
 
 
 def _device(use_gpu: bool, local_rank: int) -> torch.device:
@@ -392,7 +418,8 @@ def start_run(job: WorkerJob) -> Run:
     log = Rank0Log(
         rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every, trackers=job.trackers
     )
-    dims = ParallelDims.of(world, tp=spec.parallel.tp)
+    dims = ParallelDims.of(world, tp=spec.parallel.tp, pp=spec.parallel.pp)
+    coords = dims.coords(rank)
     mesh = None
     if dims.model_parallel:
         check_tp_within_nodes(all_gather_objects(ray.get_runtime_context().get_node_id()), dims.tp)
@@ -426,6 +453,7 @@ def start_run(job: WorkerJob) -> Run:
         dims,
         mesh=mesh,
         tp_plan=tp_plan,
+        stage=coords.pp,
         seed=spec.loop.seed,
         precision=parallel.precision,
         activation_checkpointing=parallel.activation_checkpointing,
@@ -433,7 +461,7 @@ def start_run(job: WorkerJob) -> Run:
         units_fn=job.units_fn,
         log=log.print,
     )
-    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh)
+    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords)
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
@@ -463,7 +491,7 @@ def start_run(job: WorkerJob) -> Run:
         rank=rank,
         world=world,
         dims=dims,
-        replica=dims.coords(rank).dp,
+        replica=coords.dp,
         device=device,
         plan=plan,
         strategy=strategy,
@@ -698,7 +726,7 @@ def _validate(run: Run, metrics: dict[str, Any]) -> None:
             run.dims.dp,
             run.plan.micro_batch_cap,
             run.device,
-            run.policy.dp_group,
+            run.policy,
         )
 
 

@@ -3,6 +3,8 @@ group stays on one node, and the tensor-parallel plan's checks on a meta model. 
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import given
@@ -11,8 +13,9 @@ from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.parallel.dims import Coords, ParallelDims, check_tp_within_nodes
+from raytrain.parallel.pipeline import keep_stage, model_inputs, pipeline_units, stage_bounds
 from raytrain.parallel.tensor import check_tp_plan, plan_of, resolve_plan
-from raytrain.toy import GPT, mlp
+from raytrain.toy import GPT, block_mlp, mlp, squared_error
 
 
 @given(tp=st.integers(1, 8), pp=st.integers(1, 8), dp=st.integers(1, 8))
@@ -81,3 +84,41 @@ def test_plan_errors_name_the_pattern_the_module_and_the_numbers() -> None:
     custom = check_tp_plan(gpt, lambda m: {"blocks.0.fc": "colwise", "blocks.0.out": "rowwise"}, 4)
     assert custom == {"blocks.0.fc": "colwise", "blocks.0.out": "rowwise"}
     assert isinstance(gpt, nn.Module)
+
+
+def test_stage_bounds_balance_parameters_and_never_leave_a_stage_empty() -> None:
+    assert stage_bounds([10, 0, 10, 0], 2) == [(0, 2), (2, 4)]  # parameter-less units stay with the unit before
+    assert stage_bounds([1, 1, 1, 1, 100], 2) == [(0, 4), (4, 5)]
+    assert stage_bounds([100, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    with pytest.raises(ConfigError, match="pp = 3 needs at least 3 pipeline units with parameters, the model has 2"):
+        stage_bounds([5, 0, 5], 3)
+
+
+@given(counts=st.lists(st.integers(0, 50), min_size=1, max_size=12), stages=st.integers(1, 6))
+def test_stage_bounds_cover_every_unit_once(counts: list[int], stages: int) -> None:
+    if sum(1 for c in counts if c) < stages:
+        return
+    bounds = stage_bounds(counts, stages)
+    assert len(bounds) == stages and bounds[0][0] == 0 and bounds[-1][1] == len(counts)
+    assert all(a < b and b == c for (a, b), (c, _) in itertools.pairwise(bounds))
+    assert all(sum(counts[a:b]) > 0 for a, b in bounds)
+
+
+def test_keep_stage_keeps_names_and_replaces_the_other_units() -> None:
+    model = _meta(lambda: block_mlp(8, 16, blocks=4))
+    whole = {name for name, _ in model.named_parameters()}
+    line = keep_stage(model, 1, 2)
+    kept = {name for name, _ in model.named_parameters()}
+    assert kept < whole and all(name.startswith(("1.2.", "1.3.", "2.")) for name in kept), kept
+    assert line.startswith("pipeline stage 1 of 2: units 1.2..3")
+    with pytest.raises(ConfigError, match=r"cuts nn\.Sequential models into stages, got GPT"):
+        pipeline_units(_meta(GPT))
+
+
+def test_model_inputs_are_what_loss_fn_passes_to_the_model() -> None:
+    batch = {"x": torch.ones(3, 8), "y": torch.zeros(3)}
+    assert model_inputs(squared_error, batch) is batch["x"]
+    with pytest.raises(ConfigError, match="must call the model with one tensor"):
+        model_inputs(lambda model, b: model(b["x"], b["y"]), batch)
+    with pytest.raises(ConfigError, match="must call the model"):
+        model_inputs(lambda model, b: b["y"], batch)

@@ -1,8 +1,11 @@
-"""Tensor parallel (and tensor x data parallel) equals one process training on the whole batch, in float64.
+"""Tensor and pipeline parallel, alone and with data parallel, equal one process training on the whole batch, in
+float64.
 
 Each world runs the real pieces on real gloo process groups (`raytrain.testing.multiprocess.run_world`): the layout
-(`ParallelDims`, its device mesh), the toy GPT's tensor-parallel plan checked by `resolve_plan`, `apply_parallelism`
-(TP, then FSDP2 or the by-hand all-reduce on the dp axis, meta init), the user's AdamW with parameter groups, the
+(`ParallelDims`, its device mesh), the tensor-parallel plans checked by `resolve_plan` (the toy GPT's; the block
+MLP's), `apply_parallelism` (pipeline stage, TP, then FSDP2 or the by-hand all-reduce on the dp axis, meta init), the
+GPipe schedule over the plan's uneven micro-batches (the block MLP, an `nn.Sequential`), the user's AdamW with
+parameter groups, the
 batch plan computed for dp with the data indexed by the dp rank, and `train_step` with gradient clipping on the
 global norm (and SGD with momentum, unclipped). Three steps with a global batch of 7 (uneven over dp = 2, with
 accumulation) must give every rank the
@@ -29,7 +32,17 @@ from raytrain.parallel.apply import apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims
 from raytrain.parallel.tensor import resolve_plan
 from raytrain.testing.multiprocess import run_world
-from raytrain.toy import GPT, adamw_groups, next_token_loss, sgd, token_arrays
+from raytrain.toy import (
+    GPT,
+    adamw_groups,
+    block_mlp,
+    block_mlp_tp_plan,
+    next_token_loss,
+    regression_arrays,
+    sgd,
+    squared_error,
+    token_arrays,
+)
 from raytrain.worker_loop import train_step
 
 GLOBAL_BATCH = 7
@@ -48,15 +61,20 @@ class Case:
     cap: int  # micro-batch cap: with dp replicas, accumulation k = ceil(B / (cap * dp))
     optimizer: str = "adamw"  # "adamw": AdamW with parameter groups, clipped; "sgd": SGD with momentum, unclipped
     wrong_scale: bool = False  # negative control: normalise by W (every rank a replica) instead of dp
+    pp: int = 1
+    model: str = "gpt"  # "gpt": the toy GPT on tokens; "blocks": the block MLP (nn.Sequential) on regression data
 
     @property
     def name(self) -> str:
-        name = f"w{self.world}-tp{self.tp}-{self.strategy}-m{self.cap}-{self.optimizer}"
+        name = f"w{self.world}-tp{self.tp}-pp{self.pp}-{self.model}-{self.strategy}-m{self.cap}-{self.optimizer}"
         return name + ("-wrong" if self.wrong_scale else "")
 
 
 CASES = {
-    2: [Case(2, 2, "ddp", cap=3)],  # tp 2, dp 1: k = 3 (3 + 2 + 2)
+    2: [
+        Case(2, 2, "ddp", cap=3),  # tp 2, dp 1: k = 3 (2 + 2 + 3)
+        Case(2, 1, "ddp", cap=3, pp=2, model="blocks"),  # pp 2, dp 1: 3 micro-batches of 2, 2, 3 through 2 stages
+    ],
     4: [  # tp 2 x dp 2: 4 + 3 samples, k = 2
         Case(4, 2, "ddp", cap=2),
         Case(4, 2, "zero2", cap=2),
@@ -64,11 +82,16 @@ CASES = {
         Case(4, 2, "zero3", cap=2, optimizer="sgd"),
         # AdamW and clipping are blind to a constant gradient scale: the control uses SGD without clipping
         Case(4, 2, "zero3", cap=2, optimizer="sgd", wrong_scale=True),
+        Case(4, 1, "ddp", cap=2, pp=2, model="blocks"),  # pp 2 x dp 2: replicas of 4 + 3 samples, k = 2
+        Case(4, 1, "zero3", cap=2, pp=2, model="blocks"),
+        Case(4, 2, "ddp", cap=3, pp=2, model="blocks"),  # tp 2 x pp 2, dp 1: k = 3
     ],
 }
 
 
-def _columns() -> dict[str, np.ndarray]:
+def _columns(model: str) -> dict[str, np.ndarray]:
+    if model == "blocks":
+        return {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in regression_arrays(64).items()}
     return token_arrays(64, SHAPE["vocab"], SHAPE["context"], seed=3)
 
 
@@ -76,9 +99,14 @@ def _positions(step: int) -> np.ndarray:
     return np.random.default_rng(step).permutation(64)[:GLOBAL_BATCH]
 
 
-def _meta_gpt() -> nn.Module:
+def _meta_model(model: str) -> nn.Module:
     with torch.device("meta"):
-        return GPT(**SHAPE).to(torch.float64)
+        built = block_mlp(8, 16, blocks=4) if model == "blocks" else GPT(**SHAPE)
+        return built.to(torch.float64)
+
+
+LOSSES = {"gpt": next_token_loss, "blocks": squared_error}
+TP_PLANS = {"gpt": lambda model: model.tp_plan(), "blocks": block_mlp_tp_plan}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,17 +117,17 @@ OPTIMIZERS = {"adamw": (adamw_groups, MAX_GRAD_NORM), "sgd": (sgd, None)}  # nam
 
 
 @functools.cache
-def _reference(optimizer_name: str) -> dict[str, torch.Tensor]:
+def _reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
     """Plain torch in one process, from the same (seed, module name) initial weights."""
     optimizer_fn, max_norm = OPTIMIZERS[optimizer_name]
-    model = apply_parallelism(_meta_gpt(), "ddp", torch.device("cpu"), 1, seed=0)
+    model = apply_parallelism(_meta_model(model_name), "ddp", torch.device("cpu"), 1, seed=0)
     optimizer = call_optimizer_fn(optimizer_fn, model, LR)
-    columns = _columns()
+    columns = _columns(model_name)
     for step in range(STEPS):
         picked = _positions(step)
         batch = {k: torch.from_numpy(v[picked]) for k, v in columns.items()}
         optimizer.zero_grad(set_to_none=True)
-        next_token_loss(model, batch).mean().backward()
+        LOSSES[model_name](model, batch).mean().backward()
         if max_norm is not None:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
             if step == 0:
@@ -109,22 +137,25 @@ def _reference(optimizer_name: str) -> dict[str, torch.Tensor]:
 
 
 def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
-    dims = ParallelDims.of(case.world, tp=case.tp)
+    dims = ParallelDims.of(case.world, tp=case.tp, pp=case.pp)
     mesh = dims.build_mesh("cpu")
-    model = _meta_gpt()
-    plan = resolve_plan(model, model.tp_plan(), dims.tp)  # type: ignore[operator]
-    model = apply_parallelism(model, case.strategy, torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, seed=0)
+    coords = dims.coords(rank)
+    model = _meta_model(case.model)
+    plan = resolve_plan(model, TP_PLANS[case.model](model), dims.tp) if dims.tp > 1 else None
+    model = apply_parallelism(
+        model, case.strategy, torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, seed=0
+    )
     optimizer_fn, max_norm = OPTIMIZERS[case.optimizer]
     optimizer = build_optimizer(model, optimizer_fn, LR, case.strategy)
-    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh)
+    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords)
     batch_plan = plan_batch(GLOBAL_BATCH, case.cap, dims.dp)
-    replica = dims.coords(rank).dp
-    columns = _columns()
+    replica = coords.dp
+    columns = _columns(case.model)
     for step in range(STEPS):
         micro = rank_micro_batches(columns, _positions(step), batch_plan, replica, torch.device("cpu"))
         replicas = case.world if case.wrong_scale else dims.dp
-        train_step(model, optimizer, next_token_loss, micro, replicas, GLOBAL_BATCH, max_norm, policy)
-    return {name: _full(p) for name, p in model.named_parameters()}
+        train_step(model, optimizer, LOSSES[case.model], micro, replicas, GLOBAL_BATCH, max_norm, policy)
+    return {name: _full(p) for name, p in model.named_parameters()}  # a pipeline stage: its own parameters
 
 
 def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
@@ -147,12 +178,17 @@ def _max_error(case: Case) -> float:
     per_rank = _world(case.world)
     errors = [f"rank {r}:\n{res[case.name]['error']}" for r, res in enumerate(per_rank) if res[case.name]["error"]]
     assert not errors, f"{case.name} raised:\n" + "\n".join(errors)
-    reference = _reference(case.optimizer)
+    reference = _reference(case.model, case.optimizer)
     worst = 0.0
+    covered: set[str] = set()
     for result in per_rank:
         params = result[case.name]["params"]
-        assert isinstance(params, dict) and params.keys() == reference.keys()
-        worst = max(worst, *(float((params[n] - reference[n]).abs().max()) for n in reference))
+        assert isinstance(params, dict) and params.keys() <= reference.keys()
+        if case.pp > 1:  # a stage holds only its own units' parameters
+            assert params.keys() < reference.keys()
+        covered |= params.keys()
+        worst = max(worst, *(float((params[n] - reference[n]).abs().max()) for n in params))
+    assert covered == reference.keys(), f"parameters on no stage: {sorted(reference.keys() - covered)}"
     return worst
 
 

@@ -9,15 +9,16 @@ Strategy mapping (ZeRO stage -> PyTorch mechanism):
     zero3  FSDP2 `fully_shard(reshard_after_forward=True)`: parameters sharded too, gathered per unit in every
            forward and backward.
 
-`apply_parallelism` does, in this order (torchtitan's): tensor parallel over the mesh's "tp" dimension
+`apply_parallelism` does, in this order (torchtitan's): the pipeline split (each rank keeps its stage,
+`raytrain.parallel.pipeline`), tensor parallel over the mesh's "tp" dimension
 (`raytrain.parallel.tensor`), activation checkpointing per block, `torch.compile` per block, FSDP units over the
 "dp" dimension (each repeated block, then the root, with the mixed-precision policy), materialize the meta model on
 the device and initialise it (`raytrain.model_init`: only each rank's shard), DDP. With one data-parallel replica
 nothing is sharded or wrapped on the dp axis: there is nobody to synchronise with.
 
-With tensor parallelism (`ParallelDims.model_parallel`) the dp axis is FSDP2 over `mesh["dp"]` for zero2/zero3
-(2-D, torchtitan's composition), and for ddp one all-reduce of the gradients over the dp group after the last
-micro-step (`StepPolicy.dp_group`; DDP itself takes no DTensor parameters). zero1 is refused there:
+With tensor or pipeline parallelism (`ParallelDims.model_parallel`) the dp axis is FSDP2 over `mesh["dp"]` for
+zero2/zero3 (2-D with TP, torchtitan's composition), and for ddp one all-reduce of the gradients over the dp group
+after the last micro-step (`StepPolicy.dp_group`; DDP itself takes no DTensor parameters). zero1 is refused there:
 `ZeroRedundancyOptimizer` takes plain tensors only.
 
 FSDP units: by default one unit per repeated block, i.e. each child of every `nn.ModuleList` / `nn.Sequential`
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -43,8 +44,9 @@ from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.model_init import init_weights
-from raytrain.parallel.dims import ParallelDims
-from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel
+from raytrain.parallel.dims import Coords, ParallelDims
+from raytrain.parallel.pipeline import Neighbours, keep_stage
+from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
 
 UnitsFn = Callable[[nn.Module], list[nn.Module]]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -59,9 +61,12 @@ class StepPolicy:
     keep_params_gathered: FSDP keeps parameters unsharded from the first micro-step to the last (zero2).
     autocast_dtype: compute dtype under `torch.autocast` (mixed precision without FSDP), or None.
     dp_group: the data-parallel process group of a model-parallel layout (None: the default group is the dp axis).
-        The step's loss is summed over it (a TP group's ranks hold the same loss once).
     all_reduce_gradients: after the last micro-step, average the gradients over `dp_group` by hand (ddp with
-        tensor parallelism).
+        tensor or pipeline parallelism).
+    counts_loss: this rank's loss sum enters the step's loss (all-reduced over every rank): in a model-parallel
+        layout only the last pipeline stage's first tp rank of each replica counts, once per replica.
+    pipeline: this rank's neighbours in its replica's pipeline (pp > 1: the step runs `gpipe_step`), else None.
+    pp_group: the process group of this rank's pipeline (pp > 1): the stages' gradient norms are summed over it.
     """
 
     reduce_every_micro_step: bool = False
@@ -69,6 +74,9 @@ class StepPolicy:
     autocast_dtype: torch.dtype | None = None
     dp_group: Any = None
     all_reduce_gradients: bool = False
+    counts_loss: bool = True
+    pipeline: Neighbours | None = None
+    pp_group: Any = None
 
 
 SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step, full precision
@@ -133,6 +141,7 @@ def apply_parallelism(
     *,
     mesh: Any = None,
     tp_plan: TPPlan | None = None,
+    stage: int = 0,
     seed: int = 0,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
@@ -143,8 +152,9 @@ def apply_parallelism(
     """Apply `strategy` on the dp axis, and tensor parallelism when `dims.tp` > 1, to `model` (built on the meta
     device, or a real one); call once in every worker. `dims` may be a plain world size (dp only).
 
-    A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`) and, for tp > 1, `tp_plan` (module names ->
-    "colwise" / "rowwise", already resolved by `raytrain.parallel.tensor.resolve_plan`). A meta model is
+    A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`); for pp > 1 the rank keeps pipeline stage
+    `stage` (`raytrain.parallel.pipeline.keep_stage`) and for tp > 1 `tp_plan` (module-name patterns ->
+    "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model is
     materialized on `device` and initialised from `seed` after sharding, so each rank only ever allocates its
     shard (plus one module's full parameters while initialising). Requires an initialised default process group
     when the world has more than one rank. Returns the module to train. `log` receives one line per applied
@@ -157,12 +167,18 @@ def apply_parallelism(
         raise ConfigError(f"strategy 'zero1' cannot be combined with tp/pp ({dims.describe()}): use zero2 or zero3")
     if dims.model_parallel and mesh is None:
         raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its device mesh")
-    if dims.tp > 1:
-        if not tp_plan:
-            raise ValueError("tp > 1 needs a resolved tensor-parallel plan")
-        line = apply_tensor_parallel(model, mesh["tp"], tp_plan)
+    if dims.pp > 1:
+        line = keep_stage(model, stage, dims.pp)
         if log is not None:
             log(line)
+    if dims.tp > 1:
+        if not tp_plan:
+            raise ValueError("tp > 1 needs a tensor-parallel plan")
+        resolved = resolve_plan(model, tp_plan, dims.tp, stage=dims.pp > 1)
+        if resolved:
+            line = apply_tensor_parallel(model, mesh["tp"], resolved)
+            if log is not None:
+                log(line)
     if activation_checkpointing:
         _checkpoint_blocks(model)
     if compile_blocks:
@@ -194,19 +210,40 @@ def apply_parallelism(
 
 
 def step_policy(
-    strategy: str, dims: ParallelDims | int, precision: str, grad_accumulation: str, mesh: Any = None
+    strategy: str,
+    dims: ParallelDims | int,
+    precision: str,
+    grad_accumulation: str,
+    mesh: Any = None,
+    coords: Coords | None = None,
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
-    `mesh` is the layout's device mesh when `dims` is model-parallel."""
+    `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
-    dp_group = mesh["dp"].get_group() if dims.model_parallel else None
-    return StepPolicy(
+    policy = StepPolicy(
         reduce_every_micro_step=sharded and grad_accumulation == "sharded",
         keep_params_gathered=sharded and strategy == "zero2",
         autocast_dtype=None if sharded else DTYPES.get(precision),
-        dp_group=dp_group,
-        all_reduce_gradients=dims.model_parallel and dims.dp > 1 and strategy == "ddp",
+    )
+    if not dims.model_parallel:
+        return policy
+    if mesh is None or coords is None:
+        raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its mesh and this rank's coordinates")
+    pipeline = None
+    if dims.pp > 1:
+        before, after = replace(coords, pp=coords.pp - 1), replace(coords, pp=coords.pp + 1)
+        pipeline = Neighbours(
+            previous=dims.rank_of(before) if coords.pp > 0 else None,
+            next=dims.rank_of(after) if coords.pp < dims.pp - 1 else None,
+        )
+    return replace(
+        policy,
+        dp_group=mesh["dp"].get_group(),
+        all_reduce_gradients=dims.dp > 1 and strategy == "ddp",
+        counts_loss=coords.tp == 0 and coords.pp == dims.pp - 1,
+        pipeline=pipeline,
+        pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
     )
 
 
@@ -229,6 +266,21 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: Any, replica
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def backward_sync(model: nn.Module, policy: StepPolicy) -> Callable[[bool], contextlib.AbstractContextManager[None]]:
+    """For a pipeline schedule, whose backwards run apart from their forwards: `sync(last)` sets FSDP's gradient
+    sync and resharding for one backward as `micro_step` does for a micro-step (nothing for other wrappers)."""
+
+    @contextlib.contextmanager
+    def sync(last: bool) -> Iterator[None]:
+        set_sync = getattr(model, "set_requires_gradient_sync", None)
+        if set_sync is not None:
+            set_sync(last or policy.reduce_every_micro_step)
+            model.set_reshard_after_backward(last or not policy.keep_params_gathered)  # type: ignore[operator]
+        yield
+
+    return sync
 
 
 @contextlib.contextmanager

@@ -48,17 +48,19 @@ def plan_of(model: nn.Module, tp_plan_fn: TPPlanFn | None) -> TPPlan:
     )
 
 
-def resolve_plan(model: nn.Module, plan: TPPlan, tp: int) -> dict[str, TPStyle]:
+def resolve_plan(model: nn.Module, plan: TPPlan, tp: int, *, stage: bool = False) -> dict[str, TPStyle]:
     """The plan expanded to module names, checked for `tp` ranks: every pattern matches at least one
     `nn.Linear`, every style is "colwise" or "rowwise", and the split dimension (output features for colwise,
-    input features for rowwise) is a multiple of `tp`. Raises `ConfigError` naming the pattern or module."""
+    input features for rowwise) is a multiple of `tp`. Raises `ConfigError` naming the pattern or module.
+    `stage`: `model` is one pipeline stage, where patterns of other stages' modules match nothing (checked on the
+    whole model by the driver) and the stage may hold no planned layer at all."""
     modules = dict(model.named_modules())
     resolved: dict[str, TPStyle] = {}
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"tp plan {pattern!r}: style must be one of {', '.join(STYLES)}, got {style!r}")
         names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
-        if not names:
+        if not names and not stage:
             raise ConfigError(f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}")
         for name in names:
             module = modules[name]
@@ -72,7 +74,7 @@ def resolve_plan(model: nn.Module, plan: TPPlan, tp: int) -> dict[str, TPStyle]:
                     f"tp plan: {name!r} is {style} but its {what} features ({size}) are not a multiple of tp = {tp}"
                 )
             resolved[name] = style
-    if not resolved:
+    if not resolved and not stage:
         raise ConfigError(f"the tp plan of {type(model).__name__} is empty: nothing would be split")
     return resolved
 
