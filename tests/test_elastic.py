@@ -78,6 +78,32 @@ def test_tensor_parallel_shrinks_and_grows_in_whole_replicas(tmp_path: Path, fix
     assert any("dp 1 -> 2, tp 2, pp 1: accumulation" in line for line in lines)
 
 
+def test_pipeline_parallel_shrinks_and_grows_in_whole_pipelines(tmp_path: Path, fixed_size_losses: list[float]) -> None:
+    # pp 2 on 4 fake nodes of one slot: a pipeline spans two nodes; removing one leaves 3 workers, which Ray
+    # Train's policy (raytrain's WholeReplicasPolicy) rounds down to one whole pipeline (W 4 -> 2, dp 2 -> 1).
+    summary = demo(
+        tmp_path,
+        "pp",
+        "--pp",
+        "2",
+        "--nodes",
+        "4",
+        "--events",
+        "remove@6,add@25",
+        "--steps",
+        "100",
+        "--sample-time",
+        "0.02",
+        "--checkpoint-every",
+        "5",
+    )
+    assert summary["world_sizes"] == [4, 2, 4], "expected a shrink to one pipeline and a grow back to two"
+    assert [(layout["dp"], layout["pp"]) for layout in summary["layouts"]] == [(2, 2), (1, 2), (2, 2)]
+    check_invariants(summary, 100)
+    assert_same_curve(summary, fixed_size_losses)
+    assert any("dp 2 -> 1, tp 1, pp 2: accumulation" in line for line in summary["stderr"].splitlines())
+
+
 def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[float]) -> None:
     # A drain (a spot notice, a scale-down) announces the node's removal 8 s ahead: the workers commit a checkpoint
     # after the step they are in and train nothing more, so the group restarts at 2 from exactly that step.

@@ -16,8 +16,11 @@ to 1e-9. A negative control normalises by W instead of dp and must miss.
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -201,3 +204,83 @@ def test_normalising_by_world_instead_of_dp_misses() -> None:
     """The negative control: with tp 2 the world holds half as many replicas as ranks."""
     wrong = next(c for c in CASES[4] if c.wrong_scale)
     assert _max_error(wrong) > 1e-4
+
+
+# ---------------------------------------------------------------- checkpoints across dp with tp or pp fixed
+
+RESHARD_LAYOUTS = {"tp2": {"tp": 2, "pp": 1, "model": "gpt"}, "pp2": {"tp": 1, "pp": 2, "model": "blocks"}}
+
+
+def _build(layout: dict[str, object], world: int, rank: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    dims = ParallelDims.of(world, tp=int(layout["tp"]), pp=int(layout["pp"]))  # type: ignore[call-overload]
+    mesh, coords = dims.build_mesh("cpu"), dims.coords(rank)
+    name = str(layout["model"])
+    model = _meta_model(name)
+    plan = resolve_plan(model, TP_PLANS[name](model), dims.tp) if dims.tp > 1 else None
+    model = apply_parallelism(model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp)
+    optimizer = build_optimizer(model, adamw_groups, LR, "ddp")
+    return model, optimizer, (dims, coords, step_policy("ddp", dims, "fp32", "unsharded", mesh, coords))
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, layout_state: Any, name: str, step: int) -> None:
+    dims, coords, policy = layout_state
+    micro = rank_micro_batches(
+        _columns(name), _positions(step), plan_batch(GLOBAL_BATCH, 2, dims.dp), coords.dp, torch.device("cpu")
+    )
+    train_step(model, optimizer, LOSSES[name], micro, dims.dp, GLOBAL_BATCH, None, policy)
+
+
+def _reshard_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]:
+    from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from raytrain.id_ranges import IdRanges
+
+    results: dict[str, object] = {}
+    for key, layout in RESHARD_LAYOUTS.items():
+        name = str(layout["model"])
+        try:
+            model, optimizer, layout_state = _build(layout, world, rank)
+            if mode == "save":  # two steps at dp 2, checkpoint, a third step: the continuation to reproduce
+                _train(model, optimizer, layout_state, name, 0)
+                _train(model, optimizer, layout_state, name, 1)
+                directory = save_checkpoint(model, optimizer, TrainState(step=2), rank, IdRanges())
+                _train(model, optimizer, layout_state, name, 2)
+                results[key] = {"dir": directory, "after": {n: _full(p) for n, p in model.named_parameters()}}
+            else:  # dp 1: load the merged checkpoint, take the third step
+                state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
+                _train(model, optimizer, layout_state, name, 2)
+                after = {n: _full(p) for n, p in model.named_parameters()}
+                results[key] = {"step": state.step, "after": after}
+        except Exception:
+            results[key] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("parallel-reshard")
+    saved = run_world(_reshard_main, 4, "save", str(out))
+    for key in RESHARD_LAYOUTS:  # merge the ranks' directories, as Ray Train does
+        (out / key).mkdir()
+        for result in saved:
+            assert "error" not in result[key], result[key].get("error")
+            for file in os.listdir(result[key]["dir"]):
+                shutil.copy(os.path.join(result[key]["dir"], file), out / key / file)
+    return saved, run_world(_reshard_main, 2, "load", str(out))
+
+
+@pytest.mark.parametrize("key", list(RESHARD_LAYOUTS))
+def test_a_checkpoint_written_at_dp2_continues_at_dp1_with_tp_or_pp_fixed(resharded: Any, key: str) -> None:
+    """Written by 4 workers (dp 2 x tp 2, or dp 2 x pp 2), loaded by 2 (dp 1): the next step's parameters equal the
+    4-worker run's continuation (float64)."""
+    saved, loaded = resharded
+    expected: dict[str, torch.Tensor] = {}
+    for result in saved:
+        expected.update(result[key]["after"])
+    got: dict[str, torch.Tensor] = {}
+    for result in loaded:
+        assert "error" not in result[key], result[key].get("error")
+        assert result[key]["step"] == 2
+        got.update(result[key]["after"])
+    assert got.keys() == expected.keys()
+    assert max(float((got[n] - expected[n]).abs().max()) for n in got) < TOLERANCE
