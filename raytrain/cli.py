@@ -59,8 +59,17 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
         help="print the batch plan per world size and the memory table",
         description="Print how a fixed global batch splits over every world size in a range, and/or the "
         "per-device model-state memory of DDP and ZeRO-1/2/3 with a strategy recommendation.",
-        epilog="examples:\n"
+        epilog="layouts (ParallelConfig tp, pp; --tp/--pp here):\n"
+        "  W workers = pp stages x dp replicas x tp shards; TP innermost (tp consecutive ranks on one node), PP\n"
+        "  outermost. The batch plan is computed for dp = W / (tp x pp): each replica trains one share of the global\n"
+        "  batch and elasticity adds or removes whole replicas (Ray Train's size is rounded down to a multiple of\n"
+        "  tp x pp, counting whole TP groups per node). ddp, zero2, zero3 run on the dp axis; zero1 and fp16 do not\n"
+        "  combine with tp/pp. tp splits the linear layers a plan names (tp_plan_fn or the model's tp_plan());\n"
+        "  pp cuts an nn.Sequential model into stages of balanced parameters, GPipe over the accumulation\n"
+        "  micro-batches; streaming mode (deterministic=False) is refused with either.\n\n"
+        "examples:\n"
         "  raytrain plan --global-batch 1024 --micro-batch 16 --workers 1:12\n"
+        "  raytrain plan --global-batch 96 --micro-batch 16 --workers 2:8 --tp 2\n"
         "  raytrain plan --params 7.5e9 --gpus 64 --gpu-memory-gb 80 --gpus-per-node 8\n"
         "  raytrain plan --global-batch 96 --micro-batch 32 --workers 2:4 --params 125M --gpus 4 --json",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -69,6 +78,8 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     batch.add_argument("--global-batch", type=int, help="effective batch B per optimizer step (fixed)")
     batch.add_argument("--micro-batch", type=int, help="most samples one worker processes per micro-step")
     batch.add_argument("--workers", default=None, help="world sizes to plan for: N or MIN:MAX")
+    batch.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default %(default)s)")
+    batch.add_argument("--pp", type=int, default=1, help="pipeline stages (default %(default)s)")
     mem = p.add_argument_group("memory plan")
     mem.add_argument("--params", type=_count, help="parameter count, e.g. 7.5e9 or 125M")
     mem.add_argument("--gpus", type=int, help="data-parallel devices N")
@@ -101,14 +112,25 @@ def _run_plan(args: argparse.Namespace) -> int:
         for flag, value in (("--global-batch", args.global_batch), ("--micro-batch", args.micro_batch)):
             if value is None:
                 raise ConfigError(f"{flag} is required for the batch plan")
-        low, high = parse_worker_range(args.workers or "1")
-        plans = [plan_batch(args.global_batch, args.micro_batch, w) for w in range(low, high + 1)]
-        out["batch"] = [plan.to_dict() for plan in plans]
-        lines.append(f"{'W':>4} {'k':>5} {'max micro':>9} {'global':>7}  samples per rank")
-        for plan in plans:
+        from raytrain.config import ParallelConfig
+
+        replica = ParallelConfig(tp=args.tp, pp=args.pp).replica
+        low, high = parse_worker_range(args.workers or str(replica))
+        worlds = [w for w in range(low, high + 1) if w % replica == 0]
+        if not worlds:
+            raise ConfigError(f"--workers {low}:{high} holds no multiple of tp x pp = {replica}")
+        plans = [plan_batch(args.global_batch, args.micro_batch, w // replica) for w in worlds]
+        out["batch"] = [{**plan.to_dict(), "workers": w} for w, plan in zip(worlds, plans, strict=True)]
+        if replica > 1:
+            lines.append(f"tp {args.tp}, pp {args.pp}: the plan is per data-parallel replica of {replica} workers")
+            lines.append(f"{'W':>4} {'dp':>4} {'k':>5} {'max micro':>9} {'global':>7}  samples per replica")
+        else:
+            lines.append(f"{'W':>4} {'k':>5} {'max micro':>9} {'global':>7}  samples per rank")
+        for w, plan in zip(worlds, plans, strict=True):
             samples = " ".join(str(n) for n in plan.per_rank_samples)
+            dp = f"{plan.world_size:>4} " if replica > 1 else ""
             lines.append(
-                f"{plan.world_size:>4} {plan.accumulation_steps:>5} {plan.max_micro_batch:>9} "
+                f"{w:>4} {dp}{plan.accumulation_steps:>5} {plan.max_micro_batch:>9} "
                 f"{sum(plan.per_rank_samples):>7}  {samples}"
             )
     if want_memory:
@@ -362,6 +384,8 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
         "--storage", help="override [checkpoint] storage_path: a directory or a URI such as s3://bucket/runs"
     )
     p.add_argument("--log-dir", help="override [checkpoint] log_dir: where a URI storage's run files go")
+    p.add_argument("--tp", type=int, help="override [parallel] tp (tensor-parallel degree)")
+    p.add_argument("--pp", type=int, help="override [parallel] pp (pipeline stages)")
     p.add_argument("--run-name", help="override [checkpoint] run_name")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(run=_run_fit)
@@ -375,6 +399,7 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
         "loop": {"max_steps": args.steps, "epochs": args.epochs, "strategy": args.strategy, "seed": args.seed},
         "checkpoint": {"storage_path": args.storage, "run_name": args.run_name, "log_dir": args.log_dir},
         "cluster": {},
+        "parallel": {"tp": args.tp, "pp": args.pp},
     }
     if args.workers:
         low, high = parse_worker_range(args.workers)
@@ -413,6 +438,7 @@ def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
         parallel=job.spec.parallel,
         required_columns=job.required_columns,
         lr_schedule_fn=job.entries.get("lr_schedule"),
+        tp_plan_fn=job.entries.get("tp_plan"),
     )
     started = time.time()
     result = trainer.fit()

@@ -11,6 +11,7 @@ The file names Python entries for the builders and holds the config fields, one 
     datasets = "fit_entry.py:datasets"    # () -> {"train": "s3://..." | path | ParquetSource | ray.data.Dataset,
                                           #        "val"?: ...}  (called on the driver)
     lr_schedule = "fit_entry.py:schedule" # optional: (step, total_steps) -> factor of the peak LR
+    tp_plan = "fit_entry.py:tp_plan"      # optional: (model) -> {module pattern: "colwise" | "rowwise"} ([parallel] tp)
     required_columns = ["x", "y"]
 
     [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
@@ -49,7 +50,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
 }
 ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
-OPTIONAL_ENTRY_KEYS = ("lr_schedule",)
+OPTIONAL_ENTRY_KEYS = ("lr_schedule", "tp_plan")
 
 
 def read_toml(path: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from raytrain.config import (
     TrainSpec,
 )
 from raytrain.errors import ConfigError
-from raytrain.toy import adamw, mlp_factory, mlp_tp_plan, squared_error
+from raytrain.toy import adamw, gpt_factory, mlp_factory, mlp_tp_plan, squared_error
 from raytrain.trainer import ElasticTrainer
 
 CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
@@ -119,7 +119,7 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
             cluster=ClusterConfig(min_workers=3, max_workers=4),
             parallel=ParallelConfig(tp=2),
         ),
-        r"min_workers must be a multiple of tp \(2\).*got 3",
+        r"min_workers must be a multiple of tp \* pp \(2 \* 1 = 2\).*got 3",
     ),
     (
         "tp with zero1",
@@ -131,7 +131,7 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
             cluster=ClusterConfig(min_workers=2, max_workers=4),
             parallel=ParallelConfig(tp=2),
         ),
-        "strategy 'zero1' cannot be combined with tp > 1",
+        "strategy 'zero1' cannot be combined with tp or pp > 1",
     ),
     (
         "tp with fp16",
@@ -143,7 +143,7 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
             cluster=ClusterConfig(min_workers=2, max_workers=4),
             parallel=ParallelConfig(tp=2, precision="fp16"),
         ),
-        "precision 'fp16' is not supported with tp > 1",
+        "precision 'fp16' is not supported with tp or pp > 1",
     ),
 ]
 
@@ -268,7 +268,7 @@ def _tp_trainer(tmp_path: Path, **options: Any) -> ElasticTrainer:
 
 def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
     """Streaming mode, a model without a plan and a plan that does not fit the model fail before any worker."""
-    with pytest.raises(ConfigError, match="tp 2 needs deterministic=True"):
+    with pytest.raises(ConfigError, match="tp 2 and pp 1 need deterministic=True"):
         _tp_trainer(tmp_path, loop=LoopConfig(deterministic=False, id_column="id"), datasets={"train": object()})
     with pytest.raises(ConfigError, match="tp > 1 needs a tensor-parallel plan for Sequential"):
         _tp_trainer(tmp_path).check_user_functions()
@@ -281,3 +281,8 @@ def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
         )
         bad.check_user_functions()
     _tp_trainer(tmp_path, tp_plan_fn=mlp_tp_plan).check_user_functions()  # the toy MLP's plan fits tp 2
+    with pytest.raises(ConfigError, match=r"cuts nn\.Sequential models into stages, got GPT"):
+        _tp_trainer(tmp_path, model_fn=gpt_factory(), parallel=ParallelConfig(pp=2)).check_user_functions()
+    with pytest.raises(ConfigError, match=r"max_workers must be a multiple of tp \* pp \(2 \* 2 = 4\)"):
+        _tp_trainer(tmp_path, parallel=ParallelConfig(tp=2, pp=2), cluster=ClusterConfig(min_workers=4, max_workers=6))
+    _tp_trainer(tmp_path, parallel=ParallelConfig(pp=2)).check_user_functions()  # the MLP is an nn.Sequential

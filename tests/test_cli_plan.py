@@ -31,6 +31,19 @@ def test_plan_json_gives_exact_global_batch_with_minimal_k() -> None:
     assert "memory" not in out
 
 
+def test_plan_with_tp_plans_per_replica_for_whole_replicas_only() -> None:
+    result = run_cli("plan", "--global-batch", "96", "--micro-batch", "16", "--workers", "3:8", "--tp", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["batch"]
+    assert [(row["workers"], row["world_size"]) for row in rows] == [(4, 2), (6, 3), (8, 4)]  # W=3,5,7 never run
+    assert all(sum(row["per_rank_samples"]) == 96 for row in rows)
+    text = run_cli("plan", "--global-batch", "96", "--micro-batch", "16", "--workers", "4", "--tp", "2", "--pp", "2")
+    assert "tp 2, pp 2: the plan is per data-parallel replica of 4 workers" in text.stdout
+    refused = run_cli("plan", "--global-batch", "96", "--micro-batch", "16", "--workers", "3", "--tp", "2")
+    assert refused.returncode == 2 and "holds no multiple of tp x pp = 2" in refused.stderr
+    assert "dp replicas x tp shards" in run_cli("plan", "--help").stdout
+
+
 def test_plan_memory_json_reproduces_zero_paper_and_recommends() -> None:
     result = run_cli("plan", "--params", "7.5e9", "--gpus", "64", "--gpu-memory-gb", "32", "--json")
     assert result.returncode == 0, result.stderr
