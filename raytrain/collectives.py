@@ -49,11 +49,6 @@ def all_reduce_min(value: int) -> int:
     return int(tensor.item())
 
 
-def all_reduce_max(value: float) -> float:
-    """The largest `value` over ranks (in float64)."""
-    return all_reduce_max_floats([value])[0]
-
-
 def all_reduce_max_floats(values: list[float]) -> list[float]:
     """The element-wise largest of every rank's `values` (all of the same length; one all-reduce, float64)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())

@@ -18,7 +18,7 @@ the same micro-batches.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,9 +210,3 @@ def gpipe_step(
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
             _send(grad, neighbours.previous)
     return local_sum
-
-
-@contextlib.contextmanager
-def no_context(_: bool) -> Iterator[None]:
-    """A `sync` for `gpipe_step` that does nothing (gradients are averaged by hand after the step)."""
-    yield
