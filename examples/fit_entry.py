@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raytrain.toy import mlp, regression_dataset
+from raytrain.toy import mlp, mlp_tp_plan, regression_dataset
 
 
 def model() -> nn.Module:
@@ -29,6 +29,12 @@ def loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def optimizer(params: Any, lr: float) -> torch.optim.Optimizer:
     """AdamW; raytrain sets the LR every step from the LR rule."""
     return torch.optim.AdamW(params, lr=lr)
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """For `[parallel] tp = 2` (or `--tp 2`): split the MLP's hidden layer over the tp workers (the first linear
+    layer colwise, the second rowwise; see raytrain.parallel.tensor)."""
+    return mlp_tp_plan(model)
 
 
 def datasets() -> dict[str, Any]:

@@ -147,13 +147,21 @@ def describe_plan(job: FitJob) -> str:
     and the peak memory per worker of each strategy at `max_workers` (`raytrain.memory_plan.loop_memory`)."""
     from raytrain.memory_plan import STRATEGIES, format_bytes, loop_memory
     from raytrain.parallel.apply import fsdp_units
+    from raytrain.parallel.dims import ParallelDims
     from raytrain.parallel.strategy import unit_params
     from raytrain.preflight import build_model_for_check
 
     spec = job.spec
+    parallel = spec.parallel
     lines = [f"global batch {spec.batch.global_batch}, micro-batch cap {spec.batch.micro_batch}"]
     for world in range(spec.cluster.min_workers, spec.cluster.max_workers + 1):
-        lines.append("  " + spec.batch.plan(world).describe())
+        if world % parallel.replica:
+            continue  # never run: Ray Train's size is rounded down to whole replicas
+        dims = ParallelDims.of(world, parallel.tp, parallel.pp)
+        text = spec.batch.plan(dims.dp).describe()
+        if dims.model_parallel:  # the plan is per replica: "W 4 = dp 2, tp 2, pp 1: accumulation 2, ..."
+            text = f"W {world} = {dims.describe()}:" + text.split(":", 1)[1].replace("samples/rank", "samples/replica")
+        lines.append("  " + text)
     schedule = "lr_schedule entry" if "lr_schedule" in job.entries else f"{spec.lr.schedule} schedule"
     lines.append(
         f"lr: peak {spec.lr.peak_lr(spec.batch.global_batch):.3e} ({spec.lr.rule} rule, warmup "
@@ -164,7 +172,16 @@ def describe_plan(job: FitJob) -> str:
     sizes = unit_params(model, units)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines.append(f"model: {total:,} parameters; FSDP units: {why}, largest {max(sizes):,}")
-    world = spec.cluster.max_workers
+    if parallel.tp > 1:
+        from raytrain.parallel.tensor import check_tp_plan
+
+        split = check_tp_plan(model, job.entries.get("tp_plan"), parallel.tp)
+        lines.append(f"tensor parallel: {len(split)} linear layers split over tp = {parallel.tp}")
+    if parallel.pp > 1:
+        from raytrain.parallel.pipeline import keep_stage
+
+        lines.append(keep_stage(build_model_for_check(job.entries["model"]), 0, parallel.pp))
+    world = spec.cluster.max_workers // parallel.replica  # the data-parallel replicas at max_workers
     k = spec.batch.plan(world).accumulation_steps
     peaks = []
     for name in STRATEGIES:
@@ -180,7 +197,12 @@ def describe_plan(job: FitJob) -> str:
             precision=spec.parallel.precision,
         )
         peaks.append(f"{name} {format_bytes(plan.total)}")
-    lines.append(f"peak per worker at W={world}, k={k} (AdamW, without activations): " + ", ".join(peaks))
+    what = (
+        f"dp={world} (model-parallel layouts: the whole model's state, an upper bound)"
+        if parallel.replica > 1
+        else f"W={world}"
+    )
+    lines.append(f"peak per worker at {what}, k={k} (AdamW, without activations): " + ", ".join(peaks))
     decided = " (chosen on the workers from their memory at every start)" if spec.loop.strategy == "auto" else ""
     lines.append(f"strategy: {spec.loop.strategy}{decided}")
     return "\n".join(lines)

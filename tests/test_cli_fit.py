@@ -35,6 +35,20 @@ def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_with_tp_or_pp_shows_the_layouts_and_checks_the_plan(tmp_path: Path) -> None:
+    result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:4", "--tp", "2", "--storage", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr
+    assert "W 2 = dp 1, tp 2, pp 1: accumulation 4, samples/replica [64]" in result.stdout
+    assert "W 4 = dp 2, tp 2, pp 1: accumulation 2, samples/replica [32,32]" in result.stdout
+    assert "W 3 " not in result.stdout  # never a partial replica
+    assert "tensor parallel: 2 linear layers split over tp = 2" in result.stdout  # the example's tp_plan entry
+    piped = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "4", "--pp", "2", "--storage", str(tmp_path / "r"))
+    assert piped.returncode == 0, piped.stderr
+    assert "pipeline stage 0 of 2: units 0..1" in piped.stdout
+    odd = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "3", "--tp", "2", "--storage", str(tmp_path / "r"))
+    assert odd.returncode == 2 and "min_workers must be a multiple of tp * pp" in odd.stderr
+
+
 def write(tmp_path: Path, text: str) -> str:
     path = tmp_path / "job.toml"
     path.write_text(text)
