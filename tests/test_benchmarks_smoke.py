@@ -53,6 +53,15 @@ def test_communication_quick() -> None:
     assert headline["zero3_syncs_per_step_raytrain"] == pytest.approx(1.0, abs=0.01)
 
 
+def test_parallel_quick() -> None:
+    """Real allocations per rank under tp 2, pp 2 and tp 2 x pp 2 against dp 4, and the same loss curve."""
+    headline = run_benchmark("parallel.py")
+    assert headline["losses_equal"] is True
+    for name in ("tp2", "pp2"):  # the model state splits: about half per rank (embeddings and norms stay whole)
+        assert 0.4 < headline[f"state_ratio_{name}"] < 0.65, headline
+    assert headline["state_ratio_tp2pp2"] < 0.4, headline
+
+
 def test_memory_quick() -> None:
     """Real allocations (LiveBytes) against the planner at W = 2, both accumulation modes; meta init's peak."""
     headline = run_benchmark("memory.py")

@@ -1,0 +1,166 @@
+"""python benchmarks/parallel.py [--quick]
+
+What tensor and pipeline parallelism buy per worker, measured side by side with plain data parallelism.
+
+How: 4 gloo processes (`raytrain.testing.multiprocess.run_world`, no Ray) train the same block model (an
+`nn.Sequential`: in-projection, residual MLP blocks, head; AdamW in fp32) for a few optimizer steps of the same
+global batch under four layouts of W = 4: dp 4 (ddp, the baseline), tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2. Each
+rank counts every tensor allocation with `raytrain.memory_tracker.LiveBytes` (DTensor shards, the by-hand gradient
+all-reduce's buffers, pipeline activations, optimizer state) from before the model is built to the end of the last
+step, and times each step. The table gives, per layout, the largest rank's peak bytes and its model state at rest
+(parameters + gradients + AdamW state, from the live tensors), the parameters it holds, and the median step time.
+Printed last, as one JSON line (ratios against dp 4 in the same run):
+
+    state_ratio_<layout>     model state at rest on the largest rank / dp 4's (expect ~1/tp, ~1/pp, ~1/(tp pp))
+    peak_ratio_<layout>      peak bytes of the largest rank / dp 4's
+    step_time_ratio_<layout> median step time / dp 4's (2 CPU cores for 4 processes: communication-bound)
+    losses_equal             every layout's loss curve equals dp 4's (rel. 1e-5): the same training
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import machine_line, print_headline, quiet_fsdp_warnings, table
+
+from raytrain.batch_plan import plan_batch
+from raytrain.memory_tracker import LiveBytes
+from raytrain.optim import build_optimizer
+from raytrain.parallel.apply import apply_parallelism, step_policy
+from raytrain.parallel.dims import ParallelDims
+from raytrain.parallel.tensor import resolve_plan
+from raytrain.testing.multiprocess import run_world
+from raytrain.toy import adamw, block_mlp, block_mlp_tp_plan, squared_error
+from raytrain.worker_loop import train_step
+
+WORLD = 4
+LAYOUTS = {"dp4": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp)
+FEATURES, GLOBAL_BATCH, MICRO_BATCH = 32, 32, 4
+
+
+def _local_bytes(tensors: list[torch.Tensor]) -> int:
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def run_layout(rank: int, name: str, width: int, blocks: int, steps: int) -> dict[str, Any]:
+    tp, pp = LAYOUTS[name]
+    dims = ParallelDims.of(WORLD, tp=tp, pp=pp)
+    coords = dims.coords(rank)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(GLOBAL_BATCH * steps, FEATURES, generator=generator)
+    y = torch.tanh(x.sum(dim=1, keepdim=True)).squeeze(1)
+    tracker = LiveBytes()
+    times, losses = [], []
+    with tracker:
+        mesh = dims.build_mesh("cpu") if dims.model_parallel else None
+        with torch.device("meta"):
+            model = block_mlp(FEATURES, width, blocks)
+        plan = resolve_plan(model, block_mlp_tp_plan(model), tp) if tp > 1 else None
+        model = apply_parallelism(model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp)
+        optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
+        policy = (
+            step_policy("ddp", dims, "fp32", "unsharded", mesh, coords)
+            if mesh is not None
+            else step_policy("ddp", dims, "fp32", "unsharded")
+        )
+        batch_plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, dims.dp)
+        for step in range(steps):
+            start = step * GLOBAL_BATCH + batch_plan.rank_offset(coords.dp)
+            micro = []
+            for size in batch_plan.micro_batches[coords.dp]:
+                micro.append({"x": x[start : start + size], "y": y[start : start + size]})
+                start += size
+            dist.barrier()
+            began = time.perf_counter()
+            result = train_step(model, optimizer, squared_error, micro, dims.dp, GLOBAL_BATCH, None, policy)
+            times.append(time.perf_counter() - began)
+            losses.append(result.loss_sum / GLOBAL_BATCH)
+        params = [p for p in model.parameters()]
+        grads = [p.grad for p in params if p.grad is not None]
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state = _local_bytes(params) + _local_bytes(grads) + _local_bytes([s for s in states if s.dim() > 0])
+        held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)
+    del model, optimizer
+    return {
+        "peak": tracker.peak,
+        "state": state,
+        "params": held,
+        "step_s": statistics.median(times[1:]),
+        "losses": losses,
+    }
+
+
+def rank_main(rank: int, world: int, width: int, blocks: int, steps: int) -> dict[str, dict[str, Any]]:
+    quiet_fsdp_warnings()
+    torch.manual_seed(0)
+    results = {}
+    for name in LAYOUTS:
+        results[name] = run_layout(rank, name, width, blocks, steps)
+        dist.barrier()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a small model, 3 steps (a smoke run)")
+    args = parser.parse_args()
+    width, blocks, steps = (64, 4, 3) if args.quick else (512, 8, 8)
+    began = time.perf_counter()
+    per_rank = run_world(rank_main, WORLD, width, blocks, steps, preload=("torch", "raytrain.worker_loop"))
+    total_params = sum(p.numel() for p in block_mlp(FEATURES, width, blocks).parameters())
+    rows, worst = [], {}
+    for name in LAYOUTS:
+        ranks = [r[name] for r in per_rank]
+        worst[name] = {
+            "peak": max(r["peak"] for r in ranks),
+            "state": max(r["state"] for r in ranks),
+            "params": max(r["params"] for r in ranks),
+            "step_s": max(r["step_s"] for r in ranks),
+            "losses": ranks[0]["losses"],
+        }
+    base = worst["dp4"]
+    for name, w in worst.items():
+        tp, pp = LAYOUTS[name]
+        rows.append(
+            [
+                f"{name} (dp {WORLD // (tp * pp)}, tp {tp}, pp {pp})",
+                f"{w['params']:,}",
+                f"{w['state'] / 1e6:.2f}",
+                f"{w['state'] / base['state']:.3f}",
+                f"{w['peak'] / 1e6:.2f}",
+                f"{w['peak'] / base['peak']:.3f}",
+                f"{w['step_s'] * 1000:.1f}",
+                f"{w['step_s'] / base['step_s']:.2f}",
+            ]
+        )
+    print(machine_line())
+    print(
+        f"W = {WORLD} gloo processes, block model of {total_params:,} fp32 parameters (width {width}, {blocks} "
+        f"blocks), AdamW, global batch {GLOBAL_BATCH}, micro-batch {MICRO_BATCH}, {steps} steps; the largest rank"
+    )
+    headers = ["layout", "params held", "state MB", "vs dp4", "peak MB", "vs dp4", "step ms", "vs dp4"]
+    print(table(headers, rows))
+    equal = all(
+        all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(w["losses"], base["losses"], strict=True))
+        for w in worst.values()
+    )
+    result: dict[str, Any] = {"world": WORLD, "params": total_params, "losses_equal": equal}
+    for name in ("tp2", "pp2", "tp2pp2"):
+        result[f"state_ratio_{name}"] = round(worst[name]["state"] / base["state"], 3)
+        result[f"peak_ratio_{name}"] = round(worst[name]["peak"] / base["peak"], 3)
+        result[f"step_time_ratio_{name}"] = round(worst[name]["step_s"] / base["step_s"], 2)
+    print(f"wall time {time.perf_counter() - began:.1f} s")
+    print_headline(result)
+
+
+if __name__ == "__main__":
+    main()
