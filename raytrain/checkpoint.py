@@ -188,8 +188,9 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     zero1_file = os.path.join(directory, ZERO1_OPTIMIZER_FILE)
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
     reader = SafeReader(directory)
-    # Checkpoints written before the optimizer state was flattened hold one "optim.param_groups" list.
-    options = None if "optim.param_groups" in reader.read_metadata().state_dict_metadata else FLAT
+    # Checkpoints written before the optimizer state was flattened hold the groups as a list, each with its
+    # "params" ("optim.param_groups.0.params"); the flattened form stores options per parameter name only.
+    options = None if "optim.param_groups.0.params" in reader.read_metadata().state_dict_metadata else FLAT
     if not os.path.exists(zero1_file):
         sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
     dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())

@@ -106,3 +106,37 @@ def test_consumed_ids_of_a_checkpoint_written_before_ranges_still_load(tmp_path:
     (directory / CONSUMED_FILE).unlink()
     np.save(directory / CONSUMED_IDS_FILE, np.array([3, 4, 5, 9], dtype=np.int64))
     assert load_consumed(str(directory)).ranges.tolist() == [[3, 6], [9, 10]]
+
+
+def test_a_checkpoint_with_the_optimizer_state_in_the_older_nested_form_still_loads(tmp_path: Path) -> None:
+    """Checkpoints written before the optimizer state was flattened (groups as a list) load into a fresh model and
+    optimizer: same weights, each group's options, the AdamW state."""
+    import json
+    from dataclasses import asdict
+
+    import numpy as np
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from raytrain.checkpoint import TrainState, load_checkpoint
+    from raytrain.toy import adamw_groups, mlp
+
+    torch.manual_seed(0)
+    model = mlp()
+    optimizer = adamw_groups(model, 0.01)
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    old = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}  # nested
+    dcp.save(old, checkpoint_id=str(tmp_path), no_dist=True)
+    (tmp_path / "raytrain_state.json").write_text(json.dumps(asdict(TrainState(step=3))))
+    np.save(tmp_path / "consumed_ranges.npy", np.zeros((0, 2), dtype=np.int64))
+    torch.manual_seed(1)
+    fresh = mlp()
+    fresh_optimizer = adamw_groups(fresh, 0.01)
+    state, _ = load_checkpoint(str(tmp_path), fresh, fresh_optimizer)
+    assert state.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True))
+    assert [g["lr"] for g in fresh_optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(optimizer.state[p]["exp_avg"], fresh_optimizer.state[q]["exp_avg"])
