@@ -126,7 +126,10 @@ class DemoOptions:
         ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
         LoopConfig(strategy=self.strategy, seed=self.seed)
         if self.max_workers // replica > self.global_batch:
-            raise ConfigError(f"max_workers must be <= global_batch ({self.global_batch}), got {self.max_workers}")
+            times = f" times tp x pp ({replica})" if replica > 1 else ""
+            raise ConfigError(
+                f"max_workers must be <= global_batch ({self.global_batch}){times}, got {self.max_workers}"
+            )
         kinds = {event.kind for event in parse_events(self.events)}
         if self.autoscale and kinds & set(HAND_DRIVEN_KINDS):
             raise ConfigError(

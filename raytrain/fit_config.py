@@ -173,9 +173,12 @@ def describe_plan(job: FitJob) -> str:
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines.append(f"model: {total:,} parameters; FSDP units: {why}, largest {max(sizes):,}")
     if parallel.tp > 1:
+        from raytrain.parallel.pipeline import stage_models
         from raytrain.parallel.tensor import check_tp_plan
 
-        split = check_tp_plan(model, job.entries.get("tp_plan"), parallel.tp)
+        build = job.entries["model"]
+        stages = (lambda: stage_models(lambda: build_model_for_check(build), parallel.pp)) if parallel.pp > 1 else None
+        split = check_tp_plan(model, job.entries.get("tp_plan"), parallel.tp, stages)
         lines.append(f"tensor parallel: {len(split)} linear layers split over tp = {parallel.tp}")
     if parallel.pp > 1:
         from raytrain.parallel.pipeline import keep_stage

@@ -94,14 +94,16 @@ def build_optimizer(
     """The user's optimizer for the (wrapped) `model` at LR `lr`; for zero1 its state is sharded over the ranks.
 
     Call in every worker after `apply_parallelism`. For zero1 this needs the default process group: also at
-    W = 1, so a zero1 checkpoint always holds the consolidated optimizer state and loads at any W. Parameter
-    groups that hold no parameter are dropped (a pipeline stage holds only some of the model's parameters, so
-    some of the user's groups are empty there; they would change nothing, and a checkpoint cannot store them).
+    W = 1, so a zero1 checkpoint always holds the consolidated optimizer state and loads at any W. Otherwise
+    parameter groups that hold no parameter are dropped (a pipeline stage holds only some of the model's
+    parameters, so some of the user's groups are empty there; they change nothing, and DCP's per-parameter
+    optimizer state cannot store them). zero1 keeps them: its checkpoint is the optimizer's own state dict.
     """
     from raytrain.parallel.apply import unwrap
 
     optimizer = call_optimizer_fn(optimizer_fn, unwrap(model), lr)
-    optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
+    if strategy != "zero1":
+        optimizer.param_groups = [group for group in optimizer.param_groups if group["params"]]
     return shard_optimizer(optimizer) if strategy == "zero1" else optimizer
 
 

@@ -169,13 +169,19 @@ class GPTBlock(nn.Module):
         self.proj = nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
+    def _heads(self, projected: torch.Tensor, n: int, t: int) -> torch.Tensor:
+        """[n, T, heads x head_dim] -> [n, heads, T, head_dim]; the head count from the tensor (a rank holding a
+        colwise slice has fewer), written out so that an empty micro-batch (n = 0) reshapes too."""
+        heads = projected.shape[-1] // self.head_dim
+        return projected.view(n, t, heads, self.head_dim).transpose(1, 2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [n, T, width] -> [n, T, width]; causal attention."""
         n, t, _ = x.shape
         h = self.ln1(x)
-        q, k, v = (m(h).view(n, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q, k, v = (self._heads(m(h), n, t) for m in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(n, t, -1))
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, y.shape[1] * y.shape[3]))
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
 

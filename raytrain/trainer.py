@@ -330,9 +330,12 @@ class ElasticTrainer:
 
             check_units_fn(self.units_fn, model)
         if spec.parallel.tp > 1:
+            from raytrain.parallel.pipeline import stage_models
             from raytrain.parallel.tensor import check_tp_plan
 
-            plan = check_tp_plan(model, self.tp_plan_fn, spec.parallel.tp)
+            pp = spec.parallel.pp
+            stages = (lambda: stage_models(lambda: build_model_for_check(self.model_fn), pp)) if pp > 1 else None
+            plan = check_tp_plan(model, self.tp_plan_fn, spec.parallel.tp, stages)
             say(f"tensor parallel: {len(plan)} linear layers split over tp = {spec.parallel.tp} workers of a node")
         if spec.parallel.pp > 1:
             from raytrain.parallel.pipeline import pipeline_units, stage_bounds

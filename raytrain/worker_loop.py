@@ -44,7 +44,7 @@ from raytrain.parallel.apply import (
     step_policy,
 )
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import gpipe_step
+from raytrain.parallel.pipeline import gpipe_step, widen
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
@@ -129,7 +129,9 @@ def train_step(
     if policy.pipeline is not None:  # the one branch for pipelining: GPipe over the same micro-batches
         device = next(model.parameters()).device
         sync = backward_sync(model, policy)
-        local_sum = gpipe_step(model, micro_batches, loss_fn, scale, policy.pipeline, device, sync)
+        local_sum = gpipe_step(
+            model, micro_batches, loss_fn, scale, policy.pipeline, device, sync, autocast_dtype=policy.autocast_dtype
+        )
     else:
         local_sum = _micro_steps(model, loss_fn, micro_batches, scale, policy, scaler)
     if policy.all_reduce_gradients:
@@ -175,7 +177,7 @@ def _micro_steps(
                     f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
                 )
             fault_point("backward")
-            loss = losses.float().sum() * scale
+            loss = widen(losses).sum() * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
         local_sum += float(losses.detach().float().sum())
     return local_sum

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from raytrain.errors import ConfigError
+from raytrain.parallel.apply import repeated_blocks
 from raytrain.parallel.dims import Coords, ParallelDims, check_tp_within_nodes
 from raytrain.parallel.pipeline import keep_stage, model_inputs, pipeline_units, stage_bounds
 from raytrain.parallel.tensor import check_tp_plan, plan_of, resolve_plan
-from raytrain.toy import GPT, block_mlp, mlp, squared_error
+from raytrain.toy import GPT, block_mlp, block_mlp_tp_plan, mlp, mlp_tp_plan, squared_error
 
 
 @given(tp=st.integers(1, 8), pp=st.integers(1, 8), dp=st.integers(1, 8))
@@ -111,6 +112,16 @@ def test_keep_stage_keeps_names_and_replaces_the_other_units() -> None:
     kept = {name for name, _ in model.named_parameters()}
     assert kept < whole and all(name.startswith(("1.2.", "1.3.", "2.")) for name in kept), kept
     assert line.startswith("pipeline stage 1 of 2: units 1.2..3")
+    assert [name for name, _ in repeated_blocks(model)] == ["1.2", "1.3"]  # per-block FSDP units on a stage too
+    assert resolve_plan(model, block_mlp_tp_plan(model), 2, stage=True) == {
+        "1.2.up": "colwise",
+        "1.3.up": "colwise",
+        "1.2.down": "rowwise",
+        "1.3.down": "rowwise",
+    }
+    mlp_stage = _meta(mlp)
+    keep_stage(mlp_stage, 0, 2)  # "2" (the second linear layer) is an Identity here: its pattern matches nothing
+    assert resolve_plan(mlp_stage, mlp_tp_plan(_meta(mlp)), 2, stage=True) == {"0": "colwise"}
     with pytest.raises(ConfigError, match=r"cuts nn\.Sequential models into stages, got GPT"):
         pipeline_units(_meta(GPT))
 

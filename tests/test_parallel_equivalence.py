@@ -10,7 +10,7 @@ batch plan computed for dp with the data indexed by the dp rank, and `train_step
 global norm (and SGD with momentum, unclipped). Three steps with a global batch of 7 (uneven over dp = 2, with
 accumulation) must give every rank the
 parameters of plain torch in one process (mean loss over the 7 samples, one backward, torch's clipping, one step)
-to 1e-9. A negative control normalises by W instead of dp and must miss.
+to 1e-10. A negative control normalises by W instead of dp and must miss.
 """
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ from raytrain.toy import (
     adamw_groups,
     block_mlp,
     block_mlp_tp_plan,
+    mlp,
+    mlp_tp_plan,
     next_token_loss,
     regression_arrays,
     sgd,
@@ -52,7 +54,7 @@ GLOBAL_BATCH = 7
 STEPS = 3
 LR = 0.01
 MAX_GRAD_NORM = 0.5  # below the first step's norm: clipping acts, so the global norm must be right
-TOLERANCE = 1e-9
+TOLERANCE = 1e-10  # float64 throughout: only summation order differs (AdamW amplifies it to ~1e-12)
 SHAPE = {"vocab": 16, "context": 8, "width": 32, "head_dim": 8, "blocks": 2}
 
 
@@ -65,7 +67,8 @@ class Case:
     optimizer: str = "adamw"  # "adamw": AdamW with parameter groups, clipped; "sgd": SGD with momentum, unclipped
     wrong_scale: bool = False  # negative control: normalise by W (every rank a replica) instead of dp
     pp: int = 1
-    model: str = "gpt"  # "gpt": the toy GPT on tokens; "blocks": the block MLP (nn.Sequential) on regression data
+    model: str = "gpt"  # "gpt": the toy GPT on tokens; "blocks" / "mlp": the block MLP / the demo's MLP
+    # (nn.Sequential) on regression data
 
     @property
     def name(self) -> str:
@@ -76,7 +79,7 @@ class Case:
 CASES = {
     2: [
         Case(2, 2, "ddp", cap=3),  # tp 2, dp 1: k = 3 (2 + 2 + 3)
-        Case(2, 1, "ddp", cap=3, pp=2, model="blocks"),  # pp 2, dp 1: 3 micro-batches of 2, 2, 3 through 2 stages
+        Case(2, 1, "ddp", cap=3, pp=2, model="blocks", optimizer="adamw_named"),  # pp 2, dp 1: 2 + 2 + 3
     ],
     4: [  # tp 2 x dp 2: 4 + 3 samples, k = 2
         Case(4, 2, "ddp", cap=2),
@@ -85,15 +88,20 @@ CASES = {
         Case(4, 2, "zero3", cap=2, optimizer="sgd"),
         # AdamW and clipping are blind to a constant gradient scale: the control uses SGD without clipping
         Case(4, 2, "zero3", cap=2, optimizer="sgd", wrong_scale=True),
-        Case(4, 1, "ddp", cap=2, pp=2, model="blocks"),  # pp 2 x dp 2: replicas of 4 + 3 samples, k = 2
-        Case(4, 1, "zero3", cap=2, pp=2, model="blocks"),
-        Case(4, 2, "ddp", cap=3, pp=2, model="blocks"),  # tp 2 x pp 2, dp 1: k = 3
+        Case(4, 1, "ddp", cap=2, pp=2, model="blocks", optimizer="adamw_named"),  # pp 2 x dp 2: 4 + 3, k = 2
+        Case(4, 1, "zero3", cap=2, pp=2, model="blocks", optimizer="adamw_named"),
+        Case(4, 2, "ddp", cap=3, pp=2, model="blocks", optimizer="adamw_named"),  # tp 2 x pp 2, dp 1: k = 3
+        Case(4, 2, "ddp", cap=3, pp=2, model="mlp", optimizer="adamw_named"),  # the TP plan names top-level units
+        Case(4, 2, "ddp", cap=3, pp=2, model="mlp", optimizer="sgd"),
+        # cap 1: k = 4 micro-batches, replica 1 has 3 samples, so one of its micro-batches is empty
+        Case(4, 2, "zero3", cap=1),
+        Case(4, 1, "ddp", cap=1, pp=2, model="blocks", optimizer="adamw_named"),
     ],
 }
 
 
 def _columns(model: str) -> dict[str, np.ndarray]:
-    if model == "blocks":
+    if model in ("blocks", "mlp"):
         return {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in regression_arrays(64).items()}
     return token_arrays(64, SHAPE["vocab"], SHAPE["context"], seed=3)
 
@@ -104,19 +112,39 @@ def _positions(step: int) -> np.ndarray:
 
 def _meta_model(model: str) -> nn.Module:
     with torch.device("meta"):
-        built = block_mlp(8, 16, blocks=4) if model == "blocks" else GPT(**SHAPE)
+        built = {"blocks": lambda: block_mlp(8, 16, blocks=4), "mlp": lambda: mlp(8, 32), "gpt": lambda: GPT(**SHAPE)}[
+            model
+        ]()
         return built.to(torch.float64)
 
 
-LOSSES = {"gpt": next_token_loss, "blocks": squared_error}
-TP_PLANS = {"gpt": lambda model: model.tp_plan(), "blocks": block_mlp_tp_plan}
+LOSSES = {"gpt": next_token_loss, "blocks": squared_error, "mlp": squared_error}
+TP_PLANS = {"gpt": lambda model: model.tp_plan(), "blocks": block_mlp_tp_plan, "mlp": mlp_tp_plan}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-OPTIMIZERS = {"adamw": (adamw_groups, MAX_GRAD_NORM), "sgd": (sgd, None)}  # name -> (optimizer_fn, max_grad_norm)
+def _adamw_named_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW with groups chosen by parameter name, as a pipeline stage needs (it holds only its own units, so a
+    rule like "the first layer" would pick each stage's first): weight decay on matrices only, the first layer
+    ("0." of a Sequential, the GPT's "token.") at half the LR."""
+    named = list(model.named_parameters())
+    first = [p for n, p in named if n.startswith(("0.", "token."))]
+    groups: list[dict[str, Any]] = [
+        {"params": [p for n, p in named if p.ndim >= 2 and not n.startswith(("0.", "token."))]},
+        {"params": [p for n, p in named if p.ndim < 2 and not n.startswith(("0.", "token."))], "weight_decay": 0.0},
+        {"params": first, "lr": 0.5 * lr},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
+
+
+OPTIMIZERS = {  # name -> (optimizer_fn, max_grad_norm)
+    "adamw": (adamw_groups, MAX_GRAD_NORM),
+    "adamw_named": (_adamw_named_groups, MAX_GRAD_NORM),
+    "sgd": (sgd, None),
+}
 
 
 @functools.cache
@@ -218,7 +246,7 @@ def _build(layout: dict[str, object], world: int, rank: int) -> tuple[nn.Module,
     model = _meta_model(name)
     plan = resolve_plan(model, TP_PLANS[name](model), dims.tp) if dims.tp > 1 else None
     model = apply_parallelism(model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp)
-    optimizer = build_optimizer(model, adamw_groups, LR, "ddp")
+    optimizer = build_optimizer(model, _adamw_named_groups, LR, "ddp")
     return model, optimizer, (dims, coords, step_policy("ddp", dims, "fp32", "unsharded", mesh, coords))
 
 

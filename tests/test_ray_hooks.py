@@ -163,5 +163,8 @@ def test_the_elastic_policy_hooks_whole_replicas_counts_per_node() -> None:
     assert WholeReplicasPolicy(config, tp=2, replica=2)._count_possible_workers({"a": nodes["a"]}) == 2
     three = {**nodes, "c": {"CPU": 2, "worker_slot": 2}}
     assert WholeReplicasPolicy(config, tp=2, replica=4)._count_possible_workers(three) == 4
+    assert WholeReplicasPolicy(config, tp=2, replica=2)._count_possible_workers({}) == 0
+    free = ScalingConfig(num_workers=(2, 7), resources_per_worker={"CPU": 0})  # Ray: no resources, max_workers
+    assert WholeReplicasPolicy(free, tp=2, replica=2)._count_possible_workers(nodes) == 6
     assert torch_trainer_class(1, 1) is TorchTrainer
     assert issubclass(torch_trainer_class(2, 2), TorchTrainer)

@@ -85,7 +85,8 @@ SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every repeated block: the children of each `nn.ModuleList` / `nn.Sequential` whose
     children are two or more modules of one class that own parameters. Outermost only: a block's inner lists
-    are part of the block."""
+    are part of the block. `nn.Identity` children are ignored (a pipeline stage's placeholders for other stages'
+    blocks)."""
     blocks: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -93,7 +94,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         if not isinstance(module, nn.ModuleList | nn.Sequential):
             continue
-        children = list(module.named_children())
+        children = [(n, child) for n, child in module.named_children() if not isinstance(child, nn.Identity)]
         classes = {type(child) for _, child in children}
         if len(children) >= 2 and len(classes) == 1 and any(True for _ in children[0][1].parameters()):
             blocks += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
@@ -164,7 +165,9 @@ def apply_parallelism(
     if strategy not in ("ddp", "zero1", "zero2", "zero3"):
         raise ConfigError(f"strategy must be one of ddp, zero1, zero2, zero3 here, got {strategy!r}")
     if dims.model_parallel and strategy == "zero1":
-        raise ConfigError(f"strategy 'zero1' cannot be combined with tp/pp ({dims.describe()}): use zero2 or zero3")
+        raise ConfigError(
+            f"strategy 'zero1' cannot be combined with tp/pp ({dims.describe()}): use ddp, zero2 or zero3"
+        )
     if dims.model_parallel and mesh is None:
         raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its device mesh")
     if dims.pp > 1:

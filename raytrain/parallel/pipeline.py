@@ -94,6 +94,23 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> str:
     )
 
 
+def stage_models(build: Callable[[], nn.Module], stages: int) -> list[nn.Module]:
+    """Every stage as a worker holds it: `build()` (e.g. on the meta device) with `keep_stage` applied, per stage
+    (for the driver's checks)."""
+    models = []
+    for stage in range(stages):
+        model = build()
+        keep_stage(model, stage, stages)
+        models.append(model)
+    return models
+
+
+def widen(losses: torch.Tensor) -> torch.Tensor:
+    """Per-sample losses in at least float32 for summing (bf16/fp16 are widened; float64 stays float64, so a
+    float64 model's loss scale is not rounded to float32)."""
+    return losses.float() if losses.dtype in (torch.float16, torch.bfloat16) else losses
+
+
 class _Captured(Exception):
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         super().__init__("model inputs captured")
@@ -142,6 +159,11 @@ class Neighbours:
 def _send(tensor: torch.Tensor, dst: int) -> None:
     import torch.distributed as dist
 
+    if tensor.dim() > HEADER - 2 or tensor.dtype not in DTYPES:
+        raise ValueError(
+            f"a pipeline stage's output must have at most {HEADER - 2} dimensions and one of the dtypes {DTYPES}, "
+            f"got shape {tuple(tensor.shape)} and {tensor.dtype}"
+        )
     header = torch.zeros(HEADER, dtype=torch.int64)
     header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
     header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
@@ -170,12 +192,14 @@ def gpipe_step(
     device: torch.device,
     sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
     backward: bool = True,
+    autocast_dtype: torch.dtype | None = None,
 ) -> float:
     """Run this stage's part of one optimizer step's micro-batches through the pipeline (collective over the
     replica's stages: each must call it with the same micro-batch count). The last stage computes
     `loss_fn(model, batch)`, sums it and backpropagates sum x `scale`; every stage accumulates its gradients. Returns
     the summed per-sample loss on the last stage, 0.0 elsewhere. `sync(last)` is entered around each backward
-    (`last`: the step's final backward, where gradients synchronise). `backward=False`: forward only (evaluation)."""
+    (`last`: the step's final backward, where gradients synchronise). `backward=False`: forward only (evaluation).
+    `autocast_dtype`: forwards (and the loss) under `torch.autocast` in that dtype (bf16 without FSDP)."""
     first, last = neighbours.previous is None, neighbours.next is None
     stored: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     local_sum = 0.0
@@ -187,11 +211,22 @@ def gpipe_step(
             inputs = _recv(neighbours.previous, device)
             if backward and inputs.is_floating_point():
                 inputs.requires_grad_(True)
-        output = stage(inputs)
+        autocast = (
+            torch.autocast(device_type=device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        with autocast:
+            output = stage(inputs)
+            losses = loss_fn(_Output(output), batch) if last else output
         if last:
-            losses = loss_fn(_Output(output), batch)
+            rows = len(next(iter(batch.values())))
+            if losses.dim() != 1 or losses.shape[0] != rows:
+                raise ValueError(
+                    f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
+                )
             local_sum += float(losses.detach().float().sum())
-            stored.append((None if first else inputs, losses.float().sum() * scale))
+            stored.append((None if first else inputs, widen(losses).sum() * scale))
         else:
             assert neighbours.next is not None
             _send(output.detach(), neighbours.next)

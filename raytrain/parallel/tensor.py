@@ -13,8 +13,9 @@ stay whole on every rank and see replicated activations; their gradients are the
 
 The plan comes from `tp_plan_fn(model)` (the per-model hook, like `units_fn`), else from the model's own
 `tp_plan()` method (raytrain's toy GPT has one). The model must size its attention heads from the tensors it
-receives (`view(b, t, -1, head_dim)`), not from a head count: a colwise q projection gives each rank heads / tp of
-them. `check_tp_plan` runs on the driver on the meta model and names every problem before any worker starts.
+receives (`view(b, t, q.shape[-1] // head_dim, head_dim)`), not from a configured head count: a colwise q
+projection gives each rank heads / tp of them (and not `view(b, t, -1, ...)`, which fails on an empty
+micro-batch). `check_tp_plan` runs on the driver on the meta model and names every problem before any worker starts.
 """
 
 from __future__ import annotations
@@ -59,7 +60,13 @@ def resolve_plan(model: nn.Module, plan: TPPlan, tp: int, *, stage: bool = False
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ConfigError(f"tp plan {pattern!r}: style must be one of {', '.join(STYLES)}, got {style!r}")
-        names = [name for name in modules if name and fnmatch.fnmatchcase(name, pattern)]
+        names = [
+            name
+            for name in modules
+            if name
+            and fnmatch.fnmatchcase(name, pattern)
+            and not (stage and isinstance(modules[name], nn.Identity))  # another pipeline stage's unit
+        ]
         if not names and not stage:
             raise ConfigError(f"tp plan pattern {pattern!r} matches no module of {type(model).__name__}")
         for name in names:
@@ -79,9 +86,16 @@ def resolve_plan(model: nn.Module, plan: TPPlan, tp: int, *, stage: bool = False
     return resolved
 
 
-def check_tp_plan(model: nn.Module, tp_plan_fn: TPPlanFn | None, tp: int) -> dict[str, TPStyle]:
-    """Driver-side check (on the meta model): the plan exists and `resolve_plan` accepts it for `tp`."""
-    return resolve_plan(model, plan_of(model, tp_plan_fn), tp)
+def check_tp_plan(
+    model: nn.Module, tp_plan_fn: TPPlanFn | None, tp: int, stages: Callable[[], list[nn.Module]] | None = None
+) -> dict[str, TPStyle]:
+    """Driver-side check (on the meta model): the plan exists and `resolve_plan` accepts it for `tp`, on the whole
+    model and, with `stages` (a function building the pipeline stages), on each stage as a worker applies it."""
+    plan = plan_of(model, tp_plan_fn)
+    resolved = resolve_plan(model, plan, tp)
+    for stage in stages() if stages is not None else []:
+        resolve_plan(stage, plan, tp, stage=True)
+    return resolved
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Mapping[str, TPStyle]) -> str:
