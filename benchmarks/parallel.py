@@ -14,7 +14,8 @@ Printed last, as one JSON line (ratios against dp 4 in the same run):
     state_ratio_<layout>     model state at rest on the largest rank / dp 4's (expect ~1/tp, ~1/pp, ~1/(tp pp))
     peak_ratio_<layout>      peak bytes of the largest rank / dp 4's
     step_time_ratio_<layout> median step time / dp 4's (2 CPU cores for 4 processes: communication-bound)
-    losses_equal             every layout's loss curve equals dp 4's (rel. 1e-5): the same training
+    losses_equal             every layout's loss curve equals dp 4's (rel. 1e-4, the elastic tests' tolerance: fp32
+                             sums in another order); max_loss_rel_diff gives the largest difference
 """
 
 from __future__ import annotations
@@ -149,11 +150,15 @@ def main() -> None:
     )
     headers = ["layout", "params held", "state MB", "vs dp4", "peak MB", "vs dp4", "step ms", "vs dp4"]
     print(table(headers, rows))
-    equal = all(
-        all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(w["losses"], base["losses"], strict=True))
-        for w in worst.values()
+    worst_diff = max(
+        abs(a - b) / abs(b) for w in worst.values() for a, b in zip(w["losses"], base["losses"], strict=True)
     )
-    result: dict[str, Any] = {"world": WORLD, "params": total_params, "losses_equal": equal}
+    result: dict[str, Any] = {
+        "world": WORLD,
+        "params": total_params,
+        "losses_equal": worst_diff <= 1e-4,
+        "max_loss_rel_diff": float(f"{worst_diff:.2g}"),
+    }
     for name in ("tp2", "pp2", "tp2pp2"):
         result[f"state_ratio_{name}"] = round(worst[name]["state"] / base["state"], 3)
         result[f"peak_ratio_{name}"] = round(worst[name]["peak"] / base["peak"], 3)
