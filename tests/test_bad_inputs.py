@@ -28,6 +28,20 @@ from raytrain.errors import ConfigError
 from raytrain.toy import adamw, gpt_factory, mlp_factory, mlp_tp_plan, squared_error
 from raytrain.trainer import ElasticTrainer
 
+
+def _tp_spec(**fields: Any) -> TrainSpec:
+    """A small TrainSpec with tp 2 on 2..4 workers, `fields` replaced."""
+    settings: dict[str, Any] = {
+        "batch": BatchConfig(global_batch=8, micro_batch=4),
+        "lr": LRConfig(base_lr=0.1),
+        "loop": LoopConfig(),
+        "checkpoint": CheckpointConfig(),
+        "cluster": ClusterConfig(min_workers=2, max_workers=4),
+        "parallel": ParallelConfig(tp=2),
+    }
+    return TrainSpec(**{**settings, **fields})
+
+
 CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
     (
         "global_batch not an int",
@@ -111,38 +125,17 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("tp zero", lambda: ParallelConfig(tp=0), "tp must be an integer >= 1, got 0"),
     (
         "tp with an odd min_workers",
-        lambda: TrainSpec(
-            batch=BatchConfig(global_batch=8, micro_batch=4),
-            lr=LRConfig(base_lr=0.1),
-            loop=LoopConfig(),
-            checkpoint=CheckpointConfig(),
-            cluster=ClusterConfig(min_workers=3, max_workers=4),
-            parallel=ParallelConfig(tp=2),
-        ),
+        lambda: _tp_spec(cluster=ClusterConfig(min_workers=3, max_workers=4)),
         r"min_workers must be a multiple of tp \* pp \(2 \* 1 = 2\).*got 3",
     ),
     (
         "tp with zero1",
-        lambda: TrainSpec(
-            batch=BatchConfig(global_batch=8, micro_batch=4),
-            lr=LRConfig(base_lr=0.1),
-            loop=LoopConfig(strategy="zero1"),
-            checkpoint=CheckpointConfig(),
-            cluster=ClusterConfig(min_workers=2, max_workers=4),
-            parallel=ParallelConfig(tp=2),
-        ),
+        lambda: _tp_spec(loop=LoopConfig(strategy="zero1")),
         "strategy 'zero1' cannot be combined with tp or pp > 1",
     ),
     (
         "tp with fp16",
-        lambda: TrainSpec(
-            batch=BatchConfig(global_batch=8, micro_batch=4),
-            lr=LRConfig(base_lr=0.1),
-            loop=LoopConfig(),
-            checkpoint=CheckpointConfig(),
-            cluster=ClusterConfig(min_workers=2, max_workers=4),
-            parallel=ParallelConfig(tp=2, precision="fp16"),
-        ),
+        lambda: _tp_spec(parallel=ParallelConfig(tp=2, precision="fp16")),
         "precision 'fp16' is not supported with tp or pp > 1",
     ),
 ]

@@ -48,60 +48,31 @@ def test_shrink_by_node_removal_then_grow_by_node_addition(tmp_path: Path, fixed
     assert removed["steps_lost"] <= 2 * 5 and added["steps_lost"] <= 2 * 5
 
 
-def test_tensor_parallel_shrinks_and_grows_in_whole_replicas(tmp_path: Path, fixed_size_losses: list[float]) -> None:
-    # tp 2 on 2 fake nodes of 2 worker slots: removing a node removes a whole replica (W 4 -> 2, dp 2 -> 1); the
-    # checkpoint written at dp 2 loads at dp 1 with tp 2 (DCP), and the curve equals the fixed 3-worker run's
-    # (no tensor parallelism) step by step.
-    summary = demo(
-        tmp_path,
-        "tp",
-        "--tp",
-        "2",
-        "--nodes",
-        "2",
-        "--events",
-        "remove@6,add@25",
-        "--steps",
-        "100",
-        "--sample-time",
-        "0.02",
-        "--checkpoint-every",
-        "5",
-    )
+# tp 2 on 2 fake nodes of 2 worker slots: removing a node removes a whole replica. pp 2 on 4 fake nodes of one
+# slot: a pipeline spans two nodes; removing one leaves 3 workers, which raytrain's WholeReplicasPolicy rounds down
+# to one whole pipeline. Either way W 4 -> 2 -> 4 (dp 2 -> 1 -> 2), the checkpoint written at dp 2 loads at dp 1
+# (DCP) and the curve equals the fixed 3-worker run's (no model parallelism) step by step.
+MODEL_PARALLEL = {"tp": (["--tp", "2", "--nodes", "2"], (2, 1)), "pp": (["--pp", "2", "--nodes", "4"], (1, 2))}
+
+
+@pytest.mark.parametrize("kind", list(MODEL_PARALLEL))
+def test_model_parallel_runs_shrink_and_grow_in_whole_replicas(
+    tmp_path: Path, fixed_size_losses: list[float], kind: str
+) -> None:
+    flags, (tp, pp) = MODEL_PARALLEL[kind]
+    events = ["--events", "remove@6,add@25", "--steps", "100", "--sample-time", "0.02", "--checkpoint-every", "5"]
+    summary = demo(tmp_path, kind, *flags, *events)
     assert summary["world_sizes"] == [4, 2, 4], "expected a shrink to one replica and a grow back to two"
-    assert [layout["dp"] for layout in summary["layouts"]] == [2, 1, 2]
-    assert {layout["tp"] for layout in summary["layouts"]} == {2}
+    assert [(layout["dp"], layout["tp"], layout["pp"]) for layout in summary["layouts"]] == [
+        (2, tp, pp),
+        (1, tp, pp),
+        (2, tp, pp),
+    ]
     check_invariants(summary, 100)
     assert_same_curve(summary, fixed_size_losses)
     lines = summary["stderr"].splitlines()
-    assert any("dp 2 -> 1, tp 2, pp 1: accumulation" in line for line in lines)
-    assert any("dp 1 -> 2, tp 2, pp 1: accumulation" in line for line in lines)
-
-
-def test_pipeline_parallel_shrinks_and_grows_in_whole_pipelines(tmp_path: Path, fixed_size_losses: list[float]) -> None:
-    # pp 2 on 4 fake nodes of one slot: a pipeline spans two nodes; removing one leaves 3 workers, which Ray
-    # Train's policy (raytrain's WholeReplicasPolicy) rounds down to one whole pipeline (W 4 -> 2, dp 2 -> 1).
-    summary = demo(
-        tmp_path,
-        "pp",
-        "--pp",
-        "2",
-        "--nodes",
-        "4",
-        "--events",
-        "remove@6,add@25",
-        "--steps",
-        "100",
-        "--sample-time",
-        "0.02",
-        "--checkpoint-every",
-        "5",
-    )
-    assert summary["world_sizes"] == [4, 2, 4], "expected a shrink to one pipeline and a grow back to two"
-    assert [(layout["dp"], layout["pp"]) for layout in summary["layouts"]] == [(2, 2), (1, 2), (2, 2)]
-    check_invariants(summary, 100)
-    assert_same_curve(summary, fixed_size_losses)
-    assert any("dp 2 -> 1, tp 1, pp 2: accumulation" in line for line in summary["stderr"].splitlines())
+    assert any(f"dp 2 -> 1, tp {tp}, pp {pp}: accumulation" in line for line in lines)
+    assert any(f"dp 1 -> 2, tp {tp}, pp {pp}: accumulation" in line for line in lines)
 
 
 def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[float]) -> None:
