@@ -126,6 +126,7 @@ def start_save(
     *,
     metrics: dict[str, Any] | None = None,
     background_group: Any = None,
+    flat_optimizer: bool = False,
 ) -> PendingSave:
     """Begin a checkpoint of the current model, optimizer and train state in a fresh directory (collective: all
     ranks call it at the same step).
@@ -133,7 +134,10 @@ def start_save(
     With `background_group` (see `checkpoint_group`) DCP copies this rank's model and optimizer shard to host
     memory before returning and writes it in a background thread: training may change the parameters at once.
     Without it the files are written before it returns. zero1's consolidated optimizer, the train state and the
-    consumed ids are always written before it returns (small, or a collective of the training thread)."""
+    consumed ids are always written before it returns (small, or a collective of the training thread).
+    `flat_optimizer`: store each parameter group's options under every parameter's name (pipeline stages hold
+    different parameters, so a shared list of groups would be overwritten by one stage's); about twice the bytes
+    of the optimizer's options, so only where needed. `load_checkpoint` recognises either form."""
     directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # new: it outlives the call while Ray uploads it
     zero1 = _is_zero_optimizer(optimizer)
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -142,9 +146,7 @@ def start_save(
         if rank == 0:
             torch.save(optimizer.state_dict(), os.path.join(directory, ZERO1_OPTIMIZER_FILE))
     else:
-        # Flattened: every parameter group's options stored under each of its parameters' names, so ranks holding
-        # different parameters (pipeline stages) never write the same key with different values.
-        sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=FLAT)
+        sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=FLAT if flat_optimizer else None)
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
@@ -170,11 +172,17 @@ def finish_save(pending: PendingSave, rank: int) -> str:
 
 
 def save_checkpoint(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, rank: int, consumed: IdRanges
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    rank: int,
+    consumed: IdRanges,
+    *,
+    flat_optimizer: bool = False,
 ) -> str:
     """Write this rank's share of the checkpoint into a fresh directory and return it, before returning (all
     ranks must call; `start_save` + `finish_save` without a background write)."""
-    return finish_save(start_save(model, optimizer, state, rank, consumed), rank)
+    return finish_save(start_save(model, optimizer, state, rank, consumed, flat_optimizer=flat_optimizer), rank)
 
 
 def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, IdRanges]:

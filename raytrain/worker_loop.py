@@ -815,6 +815,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         run.source.consumed_ids(),
         metrics=metrics,
         background_group=run.saves,
+        flat_optimizer=run.dims.pp > 1,
     )
     fault_point("checkpoint")
     if run.saves is None:

@@ -108,9 +108,10 @@ def test_consumed_ids_of_a_checkpoint_written_before_ranges_still_load(tmp_path:
     assert load_consumed(str(directory)).ranges.tolist() == [[3, 6], [9, 10]]
 
 
-def test_a_checkpoint_with_the_optimizer_state_in_the_older_nested_form_still_loads(tmp_path: Path) -> None:
-    """Checkpoints written before the optimizer state was flattened (groups as a list) load into a fresh model and
-    optimizer: same weights, each group's options, the AdamW state."""
+def test_a_checkpoint_with_the_optimizer_state_in_the_nested_form_loads(tmp_path: Path) -> None:
+    """The nested form (groups as a list: what torch writes by default, and raytrain for every layout but a
+    pipeline) is recognised and loads into a fresh model and optimizer: same weights, each group's options, the
+    AdamW state. The pipeline's flattened form is loaded by tests/test_parallel_equivalence.py."""
     import json
     from dataclasses import asdict
 

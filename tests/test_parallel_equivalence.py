@@ -270,7 +270,9 @@ def _reshard_main(rank: int, world: int, mode: str, out: str) -> dict[str, objec
             if mode == "save":  # two steps at dp 2, checkpoint, a third step: the continuation to reproduce
                 _train(model, optimizer, layout_state, name, 0)
                 _train(model, optimizer, layout_state, name, 1)
-                directory = save_checkpoint(model, optimizer, TrainState(step=2), rank, IdRanges())
+                directory = save_checkpoint(
+                    model, optimizer, TrainState(step=2), rank, IdRanges(), flat_optimizer=int(layout["pp"]) > 1
+                )
                 _train(model, optimizer, layout_state, name, 2)
                 results[key] = {"dir": directory, "after": {n: _full(p) for n, p in model.named_parameters()}}
             else:  # dp 1: load the merged checkpoint, take the third step
