@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from raytrain.console import VERBOSE_ENV, set_output
+from raytrain.console import VERBOSE_ENV, say, set_output
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.run_lock import run_lock
 
@@ -51,6 +51,16 @@ def _count(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"expected a whole count, got {text!r}")
     return int(value)
+
+
+def _degree(text: str) -> int | str:
+    """A tp/pp flag: an integer or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -156,6 +166,25 @@ def _run_plan(args: argparse.Namespace) -> int:
         if lines:
             lines.append("")
         lines.append(format_memory_table(memory))
+        if args.gpu_memory_gb is not None:
+            from raytrain.parallel.layout import choose_layout
+
+            try:
+                tp, pp, _ = choose_layout(
+                    num_params=args.params,
+                    largest_unit=args.largest_layer_params,
+                    min_workers=args.gpus,
+                    workers_per_node=args.gpus_per_node or args.gpus,
+                    device_memory_bytes=int(args.gpu_memory_gb * 1e9),
+                )
+                runs = f"tp {tp}, pp {pp}" + (", zero2 on the dp axis" if tp * pp > 1 else "")
+            except ConfigError:
+                runs = "nothing: the run is refused before any worker starts"
+            out["auto_layout"] = runs
+            lines.append(
+                f"ParallelConfig(tp='auto', pp='auto') at min_workers={args.gpus} runs: {runs} (raytrain keeps fp32 "
+                "parameters, gradients and Adam moments, 16 bytes/param, whatever --optimizer)"
+            )
     print(json.dumps(out) if args.json else "\n".join(lines))
     return 0
 
@@ -384,8 +413,8 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
         "--storage", help="override [checkpoint] storage_path: a directory or a URI such as s3://bucket/runs"
     )
     p.add_argument("--log-dir", help="override [checkpoint] log_dir: where a URI storage's run files go")
-    p.add_argument("--tp", type=int, help="override [parallel] tp (tensor-parallel degree)")
-    p.add_argument("--pp", type=int, help="override [parallel] pp (pipeline stages)")
+    p.add_argument("--tp", type=_degree, help="override [parallel] tp (tensor-parallel degree, or auto)")
+    p.add_argument("--pp", type=_degree, help="override [parallel] pp (pipeline stages, or auto)")
     p.add_argument("--run-name", help="override [checkpoint] run_name")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(run=_run_fit)
@@ -425,6 +454,8 @@ def _run_fit(args: argparse.Namespace) -> int:
 def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
     from raytrain.trainer import ElasticTrainer
 
+    if job.layout_reason:
+        say(job.layout_reason)
     trainer = ElasticTrainer(
         model_fn=job.entries["model"],
         loss_fn=job.entries["loss"],

@@ -206,6 +206,11 @@ class ParallelConfig:
             (`raytrain.parallel.pipeline`), one per worker of a replica, and raytrain's accumulation micro-batches
             flow through them (GPipe). A replica is tp * pp workers (TP innermost, stages across nodes); the same
             rules as for tp apply to min_workers, max_workers, the strategy and the precision.
+            tp and pp may both be "auto": the driver applies `raytrain plan`'s recommendation for the model at
+            `min_workers` before any worker starts (`raytrain.parallel.layout`); needs `device_memory_gb` and
+            `workers_per_node`.
+        device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
+        workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
     """
 
     init: str = "auto"
@@ -213,14 +218,36 @@ class ParallelConfig:
     grad_accumulation: str = "auto"
     activation_checkpointing: bool = False
     compile: bool = False
-    tp: int = 1
-    pp: int = 1
+    tp: int | Literal["auto"] = 1
+    pp: int | Literal["auto"] = 1
+    device_memory_gb: float | None = None
+    workers_per_node: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be an integer >= 1 or 'auto', got {value!r}")
+        if (self.tp == "auto") != (self.pp == "auto"):
+            raise ConfigError(
+                f"tp and pp are chosen together: set both to 'auto' or both to integers, got tp={self.tp!r}, "
+                f"pp={self.pp!r}"
+            )
+        if self.device_memory_gb is not None and (
+            isinstance(self.device_memory_gb, bool)
+            or not isinstance(self.device_memory_gb, int | float)
+            or not 0 < self.device_memory_gb < float("inf")
+        ):
+            raise ConfigError(f"device_memory_gb must be a number > 0 or None, got {self.device_memory_gb!r}")
+        if self.workers_per_node is not None:
+            _int_at_least("workers_per_node", self.workers_per_node, 1)
+        if self.tp == "auto":
+            for name in ("device_memory_gb", "workers_per_node"):
+                if getattr(self, name) is None:
+                    raise ConfigError(
+                        f"tp/pp 'auto' chooses the layout from the model's size and the devices: set {name} "
+                        "(device_memory_gb: memory of one worker's device in GB, e.g. 80; workers_per_node: e.g. 8)"
+                    )
         _one_of("init", self.init, INIT_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
@@ -229,9 +256,36 @@ class ParallelConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @property
+    def degrees(self) -> tuple[int, int]:
+        """(tp, pp) as integers; `ConfigError` while they are "auto" (resolved on the driver first, by
+        `raytrain.parallel.layout.resolve_parallel`)."""
+        if self.tp == "auto" or self.pp == "auto":
+            raise ConfigError("tp/pp 'auto' is resolved on the driver first (raytrain.parallel.layout)")
+        return self.tp, self.pp
+
+    @property
     def replica(self) -> int:
-        """Workers per data-parallel replica: tp * pp."""
-        return self.tp * self.pp
+        """Workers per data-parallel replica: tp * pp (resolved)."""
+        tp, pp = self.degrees
+        return tp * pp
+
+
+def check_whole_replicas(min_workers: int, max_workers: int, global_batch: int, tp: int, pp: int) -> None:
+    """The elastic range in whole model-parallel replicas of tp * pp workers: both ends multiples of it, and at
+    most `global_batch` replicas (each trains at least one sample). `ConfigError` naming the bad end."""
+    replica = tp * pp
+    if max_workers // replica > global_batch:
+        raise ConfigError(
+            f"max_workers must be <= global_batch ({global_batch})"
+            + (f" times tp * pp ({replica})" if replica > 1 else "")
+            + f", got {max_workers}"
+        )
+    for name, value in (("min_workers", min_workers), ("max_workers", max_workers)):
+        if value % replica:
+            raise ConfigError(
+                f"{name} must be a multiple of tp * pp ({tp} * {pp} = {replica}): the world grows and shrinks in "
+                f"whole model-parallel replicas, got {value}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,22 +406,14 @@ class TrainSpec:
                 f"precision 'fp16' needs strategy ddp or zero1 (loss scaling needs whole gradients on every rank), "
                 f"got strategy {self.loop.strategy!r}; use precision 'bf16' with zero2/zero3"
             )
-        replica = self.parallel.replica
-        if self.cluster.max_workers // replica > self.batch.global_batch:
+        if self.parallel.tp == "auto":
             raise ConfigError(
-                f"max_workers must be <= global_batch ({self.batch.global_batch})"
-                + (f" times tp * pp ({replica})" if replica > 1 else "")
-                + f", got {self.cluster.max_workers}"
+                "TrainSpec takes a resolved layout: tp/pp 'auto' is chosen by ElasticTrainer / raytrain fit "
+                "(raytrain.parallel.layout.resolve_parallel)"
             )
-        if replica > 1:
-            what = f"tp * pp ({self.parallel.tp} * {self.parallel.pp} = {replica})"
-            for name in ("min_workers", "max_workers"):
-                value = getattr(self.cluster, name)
-                if value % replica:
-                    raise ConfigError(
-                        f"{name} must be a multiple of {what}: the world grows and shrinks in whole model-parallel "
-                        f"replicas, got {value}"
-                    )
+        tp, pp = self.parallel.degrees
+        check_whole_replicas(self.cluster.min_workers, self.cluster.max_workers, self.batch.global_batch, tp, pp)
+        if tp * pp > 1:
             if self.loop.strategy == "zero1":
                 raise ConfigError(
                     "strategy 'zero1' cannot be combined with tp or pp > 1 (ZeroRedundancyOptimizer takes plain "

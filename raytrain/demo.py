@@ -95,7 +95,7 @@ class DemoOptions:
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
-        from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, ParallelConfig
+        from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, ParallelConfig, check_whole_replicas
 
         if self.nodes < 1:
             raise ConfigError(f"nodes must be an integer >= 1, got {self.nodes}")
@@ -110,11 +110,6 @@ class DemoOptions:
                     f"slots-per-node must be a multiple of tp ({self.tp}) to hold whole tensor-parallel groups, got "
                     f"{self.slots_per_node}"
                 )
-            for value in (self.min_workers, self.max_workers):
-                if value % replica:
-                    raise ConfigError(
-                        f"workers must be multiples of tp * pp ({replica}) for whole replicas, got {value}"
-                    )
         if self.steps < 1:
             raise ConfigError(f"steps must be an integer >= 1, got {self.steps}")
         for name in ("epoch_steps", "checkpoint_every"):
@@ -125,11 +120,7 @@ class DemoOptions:
         BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
         ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
         LoopConfig(strategy=self.strategy, seed=self.seed)
-        if self.max_workers // replica > self.global_batch:
-            times = f" times tp x pp ({replica})" if replica > 1 else ""
-            raise ConfigError(
-                f"max_workers must be <= global_batch ({self.global_batch}){times}, got {self.max_workers}"
-            )
+        check_whole_replicas(self.min_workers, self.max_workers, self.global_batch, self.tp, self.pp)
         kinds = {event.kind for event in parse_events(self.events)}
         if self.autoscale and kinds & set(HAND_DRIVEN_KINDS):
             raise ConfigError(

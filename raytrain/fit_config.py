@@ -113,6 +113,7 @@ class FitJob:
     spec: TrainSpec
     entries: dict[str, Callable[..., Any]]
     required_columns: tuple[str, ...]
+    layout_reason: str = ""  # why tp/pp "auto" chose the layout in `spec` ("" when they were given)
 
 
 def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = None) -> FitJob:
@@ -139,7 +140,14 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
         sections[name] = cls(**values)
     base_dir = os.path.dirname(os.path.abspath(path))
     entries = {key: load_entry(entry[key], base_dir) for key in (*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS) if key in entry}
-    return FitJob(TrainSpec(**sections), entries, tuple(entry.get("required_columns", ())))
+    from raytrain.parallel.layout import resolve_parallel
+
+    sections["parallel"], reason = resolve_parallel(sections["parallel"], sections["cluster"], entries["model"])
+    try:
+        spec = TrainSpec(**sections)
+    except ConfigError as err:
+        raise ConfigError(f"{err} ({reason})" if reason else str(err)) from None
+    return FitJob(spec, entries, tuple(entry.get("required_columns", ())), reason)
 
 
 def describe_plan(job: FitJob) -> str:
@@ -157,7 +165,7 @@ def describe_plan(job: FitJob) -> str:
     for world in range(spec.cluster.min_workers, spec.cluster.max_workers + 1):
         if world % parallel.replica:
             continue  # never run: Ray Train's size is rounded down to whole replicas
-        dims = ParallelDims.of(world, parallel.tp, parallel.pp)
+        dims = ParallelDims.of(world, *parallel.degrees)
         text = spec.batch.plan(dims.dp).describe()
         if dims.model_parallel:  # the plan is per replica: "W 4 = dp 2, tp 2, pp 1: accumulation 2, ..."
             text = f"W {world} = {dims.describe()}:" + text.split(":", 1)[1].replace("samples/rank", "samples/replica")
@@ -172,18 +180,11 @@ def describe_plan(job: FitJob) -> str:
     sizes = unit_params(model, units)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     lines.append(f"model: {total:,} parameters; FSDP units: {why}, largest {max(sizes):,}")
-    if parallel.tp > 1:
-        from raytrain.parallel.pipeline import stage_models
-        from raytrain.parallel.tensor import check_tp_plan
+    if job.layout_reason:
+        lines.append(job.layout_reason)
+    from raytrain.parallel.layout import check_model_parallel
 
-        build = job.entries["model"]
-        stages = (lambda: stage_models(lambda: build_model_for_check(build), parallel.pp)) if parallel.pp > 1 else None
-        split = check_tp_plan(model, job.entries.get("tp_plan"), parallel.tp, stages)
-        lines.append(f"tensor parallel: {len(split)} linear layers split over tp = {parallel.tp}")
-    if parallel.pp > 1:
-        from raytrain.parallel.pipeline import keep_stage
-
-        lines.append(keep_stage(build_model_for_check(job.entries["model"]), 0, parallel.pp))
+    lines += check_model_parallel(job.entries["model"], *parallel.degrees, job.entries.get("tp_plan"))
     world = spec.cluster.max_workers // parallel.replica  # the data-parallel replicas at max_workers
     k = spec.batch.plan(world).accumulation_steps
     peaks = []

@@ -260,14 +260,23 @@ class ElasticTrainer:
         if "train" not in datasets:
             raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
         datasets = {name: as_source(value) for name, value in datasets.items()}
-        self.spec = TrainSpec(
-            batch=batch,
-            lr=lr,
-            loop=loop or LoopConfig(),
-            checkpoint=checkpoint or CheckpointConfig(),
-            cluster=cluster or ClusterConfig(),
-            parallel=parallel or ParallelConfig(),
-        )
+        from raytrain.parallel.layout import resolve_parallel
+
+        cluster = cluster or ClusterConfig()
+        parallel, self.layout_reason = resolve_parallel(parallel or ParallelConfig(), cluster, model_fn, units_fn)
+        try:
+            self.spec = TrainSpec(
+                batch=batch,
+                lr=lr,
+                loop=loop or LoopConfig(),
+                checkpoint=checkpoint or CheckpointConfig(),
+                cluster=cluster,
+                parallel=parallel,
+            )
+        except ConfigError as err:
+            if not self.layout_reason:
+                raise
+            raise ConfigError(f"{err} ({self.layout_reason})") from None
         if not self.spec.loop.deterministic and isinstance(datasets["train"], ParquetSource):
             raise ConfigError(
                 "deterministic=False streams a ray.data.Dataset; a ParquetSource (or a path) is always read in the "
@@ -329,24 +338,12 @@ class ElasticTrainer:
             from raytrain.preflight import check_units_fn
 
             check_units_fn(self.units_fn, model)
-        if spec.parallel.tp > 1:
-            from raytrain.parallel.pipeline import stage_models
-            from raytrain.parallel.tensor import check_tp_plan
+        from raytrain.parallel.layout import check_model_parallel
 
-            pp = spec.parallel.pp
-            stages = (lambda: stage_models(lambda: build_model_for_check(self.model_fn), pp)) if pp > 1 else None
-            plan = check_tp_plan(model, self.tp_plan_fn, spec.parallel.tp, stages)
-            say(f"tensor parallel: {len(plan)} linear layers split over tp = {spec.parallel.tp} workers of a node")
-        if spec.parallel.pp > 1:
-            from raytrain.parallel.pipeline import pipeline_units, stage_bounds
-
-            units = pipeline_units(model)
-            counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
-            sizes = [sum(counts[a:b]) for a, b in stage_bounds(counts, spec.parallel.pp)]
-            say(
-                f"pipeline parallel: {len(units)} units in {spec.parallel.pp} stages of "
-                f"{', '.join(f'{n:,}' for n in sizes)} parameters (GPipe over the accumulation micro-batches)"
-            )
+        if self.layout_reason:
+            say(self.layout_reason)
+        for line in check_model_parallel(self.model_fn, *spec.parallel.degrees, self.tp_plan_fn):
+            say(line)
         mode = spec.parallel.init
         if mode == "full":
             blocker: str | None = "init 'full' was asked for"
@@ -377,7 +374,7 @@ class ElasticTrainer:
         note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
         if note:
             say(note)
-        if self.spec.parallel.pp > 1:
+        if self.spec.parallel.degrees[1] > 1:
             from raytrain.data import to_tensors
             from raytrain.parallel.pipeline import model_inputs
 
@@ -491,7 +488,7 @@ class ElasticTrainer:
         )
         view = RefreshClusterView(run_dir, cluster.resize_monitor_interval_s)
         hooks = [StopRepeatedUserErrors(), RunLog(run_dir), view]
-        trainer = torch_trainer_class(spec.parallel.tp, replica=spec.parallel.replica)(
+        trainer = torch_trainer_class(spec.parallel.degrees[0], replica=spec.parallel.replica)(
             train_loop_per_worker,
             train_loop_config={"job": job},
             datasets=trainer_datasets or None,

@@ -44,9 +44,9 @@ from raytrain.parallel.apply import (
     step_policy,
 )
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import gpipe_step, widen
+from raytrain.parallel.pipeline import check_losses, gpipe_step, widen
 from raytrain.parallel.strategy import resolve_layout
-from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
+from raytrain.parallel.tensor import TPPlanFn, plan_of
 from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
@@ -171,11 +171,7 @@ def _micro_steps(
         with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
             fault_point("forward")
             losses = loss_fn(model, batch)
-            rows = len(next(iter(batch.values())))
-            if losses.dim() != 1 or losses.shape[0] != rows:
-                raise ValueError(
-                    f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
-                )
+            check_losses(losses, batch)
             fault_point("backward")
             loss = widen(losses).sum() * scale
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -420,7 +416,7 @@ def start_run(job: WorkerJob) -> Run:
     log = Rank0Log(
         rank, job.run_dir, audit=spec.loop.audit_samples, log_every=spec.loop.log_every, trackers=job.trackers
     )
-    dims = ParallelDims.of(world, tp=spec.parallel.tp, pp=spec.parallel.pp)
+    dims = ParallelDims.of(world, *spec.parallel.degrees)
     coords = dims.coords(rank)
     mesh = None
     if dims.model_parallel:
@@ -433,7 +429,7 @@ def start_run(job: WorkerJob) -> Run:
     began = time.perf_counter()
     model = build_model(job)
     parallel = spec.parallel
-    tp_plan = check_tp_plan(model, job.tp_plan_fn, dims.tp) if dims.tp > 1 else None
+    tp_plan = plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None  # checked on the driver, resolved per stage
     layout = resolve_layout(
         spec.loop.strategy,
         parallel.grad_accumulation,
@@ -443,6 +439,7 @@ def start_run(job: WorkerJob) -> Run:
         precision=parallel.precision,
         device=device,
         local_workers=context.get_local_world_size(),
+        model_parallel=dims.tp * dims.pp,
         units_fn=job.units_fn,
     )
     if layout.reason:

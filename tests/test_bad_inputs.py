@@ -122,7 +122,7 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
         ),
         "precision 'fp16' needs strategy ddp or zero1",
     ),
-    ("tp zero", lambda: ParallelConfig(tp=0), "tp must be an integer >= 1, got 0"),
+    ("tp zero", lambda: ParallelConfig(tp=0), "tp must be an integer >= 1 or 'auto', got 0"),
     (
         "tp with an odd min_workers",
         lambda: _tp_spec(cluster=ClusterConfig(min_workers=3, max_workers=4)),

@@ -44,7 +44,7 @@ def test_dry_run_with_tp_or_pp_shows_the_layouts_and_checks_the_plan(tmp_path: P
     assert "tensor parallel: 2 linear layers split over tp = 2" in result.stdout  # the example's tp_plan entry
     piped = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "4", "--pp", "2", "--storage", str(tmp_path / "r"))
     assert piped.returncode == 0, piped.stderr
-    assert "pipeline stage 0 of 2: units 0..1" in piped.stdout
+    assert "pipeline parallel: 4 units in 2 stages of" in piped.stdout
     odd = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "3", "--tp", "2", "--storage", str(tmp_path / "r"))
     assert odd.returncode == 2 and "min_workers must be a multiple of tp * pp" in odd.stderr
 
@@ -61,6 +61,27 @@ loss = "{REPO}/examples/fit_entry.py:loss"
 optimizer = "{REPO}/examples/fit_entry.py:optimizer"
 datasets = "{REPO}/examples/fit_entry.py:datasets"
 """
+
+
+def test_dry_run_with_tp_pp_auto_shows_the_layout_auto_chose(tmp_path: Path) -> None:
+    # the example's MLP (1,153 parameters) on 2 workers of 12,000 bytes: no dp strategy fits 9,600 bytes, tp 2 does
+    # (tests/test_parallel_layout.py has the numbers)
+    text = ENTRY.replace("datasets =", f'tp_plan = "{REPO}/examples/fit_entry.py:tp_plan"\ndatasets =') + (
+        "[batch]\nglobal_batch = 8\nmicro_batch = 2\n[lr]\nbase_lr = 0.1\n[cluster]\nmin_workers = 2\n"
+        'max_workers = 4\n[parallel]\ntp = "auto"\npp = "auto"\ndevice_memory_gb = 1.2e-5\nworkers_per_node = 2\n'
+    )
+    result = run_cli("fit", write(tmp_path, text), "--dry-run", "--storage", str(tmp_path / "r"))
+    assert result.returncode == 0, result.stderr
+    assert "layout auto -> tp 2, pp 1 on 2 workers of 1.2e-05 GB, 2 per node, zero2 on the dp axis" in result.stdout
+    assert "W 2 = dp 1, tp 2, pp 1: accumulation 4, samples/replica [8]" in result.stdout
+    assert "tensor parallel: 2 linear layers split over tp = 2" in result.stdout
+    odd = run_cli("fit", write(tmp_path, text), "--dry-run", "--tp", "auto", "--pp", "auto", "--workers", "2:3")
+    assert odd.returncode == 2  # the chosen layout's rules apply, and the message says where tp 2 came from
+    assert (
+        "max_workers must be a multiple of tp * pp (2 * 1 = 2)" in odd.stderr and "(layout auto -> tp 2" in odd.stderr
+    )
+    half = run_cli("fit", write(tmp_path, text), "--dry-run", "--tp", "2")
+    assert half.returncode == 2 and "set both to 'auto' or both to integers, got tp=2, pp='auto'" in half.stderr
 
 
 @pytest.mark.parametrize(

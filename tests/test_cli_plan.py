@@ -84,3 +84,13 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_plan_shows_the_layout_tp_pp_auto_runs() -> None:
+    # Ψ = 1e9, largest layer 2.5e8, 8 devices of 4.5 GB: the ZeRO-paper table (mixed_adam) recommends zero3, but
+    # raytrain keeps 16 bytes/param in fp32 (zero3 + working set 4 GB > 3.6 GB): auto runs tp 4 (3 GB)
+    args = ["plan", "--params", "1e9", "--gpus", "8", "--gpu-memory-gb", "4.5", "--largest-layer-params", "2.5e8"]
+    out = json.loads(run_cli(*args, "--json").stdout)
+    assert out["recommendation"] == "zero3" and out["auto_layout"] == "tp 4, pp 1, zero2 on the dp axis"
+    text = run_cli(*args, "--gpus-per-node", "4", "--gpu-memory-gb", "3").stdout
+    assert "ParallelConfig(tp='auto', pp='auto') at min_workers=8 runs: tp 4, pp 2, zero2 on the dp axis" in text

@@ -105,6 +105,14 @@ def stage_models(build: Callable[[], nn.Module], stages: int) -> list[nn.Module]
     return models
 
 
+def check_losses(losses: torch.Tensor, batch: Batch) -> None:
+    """`loss_fn`'s result must be one loss per sample of `batch`: a 1-D tensor of its row count (`ValueError`
+    naming both shapes otherwise)."""
+    rows = len(next(iter(batch.values())))
+    if losses.dim() != 1 or losses.shape[0] != rows:
+        raise ValueError(f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}")
+
+
 def widen(losses: torch.Tensor) -> torch.Tensor:
     """Per-sample losses in at least float32 for summing (bf16/fp16 are widened; float64 stays float64, so a
     float64 model's loss scale is not rounded to float32)."""
@@ -220,11 +228,7 @@ def gpipe_step(
             output = stage(inputs)
             losses = loss_fn(_Output(output), batch) if last else output
         if last:
-            rows = len(next(iter(batch.values())))
-            if losses.dim() != 1 or losses.shape[0] != rows:
-                raise ValueError(
-                    f"loss_fn must return one loss per sample (shape [{rows}]), got shape {tuple(losses.shape)}"
-                )
+            check_losses(losses, batch)
             local_sum += float(losses.detach().float().sum())
             stored.append((None if first else inputs, widen(losses).sum() * scale))
         else:

@@ -130,9 +130,12 @@ def resolve_layout(
     device: torch.device,
     local_workers: int = 1,
     units_fn: UnitsFn | None = None,
+    model_parallel: int = 1,
 ) -> Layout:
-    """`choose_layout` for `model` (meta or real) on this worker group; a collective when anything is "auto"
-    (the smallest worker's memory decides, so every rank resolves the same layout)."""
+    """`choose_layout` for `model` (meta or real, whole) on this worker group; a collective when anything is
+    "auto" (the smallest worker's memory decides, so every rank resolves the same layout). `world_size` is the dp
+    degree; with `model_parallel` = tp * pp > 1 each rank holds about 1 / model_parallel of the parameters and of
+    the largest unit, and that share is what is counted."""
     if strategy != "auto" and grad_accumulation != "auto":
         return Layout(strategy, grad_accumulation, "")
     memory = all_reduce_min(device_memory_bytes(device, local_workers))
@@ -141,9 +144,9 @@ def resolve_layout(
     return choose_layout(
         strategy,
         grad_accumulation,
-        num_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        largest_unit=max(sizes),
-        root_unit=sizes[-1],
+        num_params=-(-sum(p.numel() for p in model.parameters() if p.requires_grad) // model_parallel),
+        largest_unit=-(-max(sizes) // model_parallel),
+        root_unit=-(-sizes[-1] // model_parallel),
         world_size=world_size,
         accumulation_steps=accumulation_steps,
         precision=precision,

@@ -1,0 +1,117 @@
+"""The model-parallel layout of a run, on the driver, before any worker starts: `tp`/`pp` "auto" chosen by the
+memory planner, and the chosen layout checked on the meta model.
+
+`auto` (`ParallelConfig(tp="auto", pp="auto", device_memory_gb=..., workers_per_node=...)`) applies
+`raytrain.memory_plan.plan_memory`'s recommendation once, on the driver, for the smallest world the run may have
+(`min_workers`: the sharded states are largest there):
+
+* ddp, zero1, zero2 or zero3 recommended: tp = pp = 1 (the strategy itself is `LoopConfig.strategy`; "auto" is
+  decided on the workers from their memory at every start);
+* ``tp=<d>`` or ``tp=<d>,pp=<s>`` recommended: that layout. The planner counts ZeRO-1 over the dp replicas; raytrain
+  runs zero2 there (its ZeRO-1 takes no DTensors), which holds no more: p Ψ/(d s) + (g + o) Ψ/N against
+  (p + g) Ψ/(d s) + o Ψ/N, with N >= d s;
+* nothing fits: a `ConfigError` with the planner's reason.
+
+The decision is a function of the config and the model only (not of the nodes that happen to be up), so a rerun
+or a resume of the same run chooses the same layout. State bytes are counted as raytrain's loop keeps them: fp32
+parameters, gradients and Adam's two moments ("adam", 4 + 4 + 8 bytes) in every precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from torch import nn
+
+from raytrain.config import ClusterConfig, ParallelConfig
+from raytrain.errors import ConfigError
+from raytrain.memory_plan import GB, plan_memory
+from raytrain.parallel.apply import UnitsFn, fsdp_units
+from raytrain.parallel.pipeline import pipeline_units, stage_bounds, stage_models
+from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
+
+ModelFn = Callable[[], nn.Module]
+
+
+def choose_layout(
+    *,
+    num_params: int,
+    largest_unit: int,
+    min_workers: int,
+    workers_per_node: int,
+    device_memory_bytes: int,
+) -> tuple[int, int, str]:
+    """Pure: (tp, pp, reason) that `auto` runs for a model of `num_params` trainable parameters (largest FSDP unit
+    `largest_unit`) on at least `min_workers` workers of `device_memory_bytes`, `workers_per_node` per node. The
+    planner's nodes are gcd(min_workers, workers_per_node) workers wide (a TP group divides both the node and the
+    smallest world). Raises `ConfigError` when nothing fits."""
+    per_node = math.gcd(min_workers, workers_per_node)
+    plan = plan_memory(
+        num_params,
+        min_workers,
+        optimizer="adam",
+        gpu_memory_bytes=device_memory_bytes,
+        gpus_per_node=per_node,
+        largest_layer_params=largest_unit,
+    )
+    rec = plan.recommendation
+    where = f"{min_workers} workers of {device_memory_bytes / GB:.3g} GB, {per_node} per node"
+    if rec == "none":
+        raise ConfigError(
+            f"tp/pp 'auto': the model ({num_params:,} parameters) fits no layout on {where}: {plan.reason}"
+        )
+    if not rec.startswith("tp="):
+        return 1, 1, f"layout auto -> tp 1, pp 1 on {where} (planner: {rec}, {plan.reason})"
+    degrees = dict(part.split("=") for part in rec.split(","))
+    tp, pp = int(degrees["tp"]), int(degrees.get("pp", "1"))
+    return tp, pp, f"layout auto -> tp {tp}, pp {pp} on {where}, zero2 on the dp axis ({plan.reason})"
+
+
+def resolve_parallel(
+    parallel: ParallelConfig, cluster: ClusterConfig, model_fn: ModelFn, units_fn: UnitsFn | None = None
+) -> tuple[ParallelConfig, str]:
+    """`parallel` with "auto" tp/pp replaced by `choose_layout`'s choice for `model_fn`'s model (built on the meta
+    device), and the reason; unchanged with "" when tp and pp are integers."""
+    if parallel.tp != "auto":
+        return parallel, ""
+    from raytrain.parallel.strategy import unit_params
+    from raytrain.preflight import build_model_for_check
+
+    assert parallel.device_memory_gb is not None and parallel.workers_per_node is not None  # ParallelConfig checks
+    model = build_model_for_check(model_fn)
+    sizes = unit_params(model, fsdp_units(model, units_fn)[0])
+    tp, pp, reason = choose_layout(
+        num_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        largest_unit=max(sizes),
+        min_workers=cluster.min_workers,
+        workers_per_node=parallel.workers_per_node,
+        device_memory_bytes=int(parallel.device_memory_gb * GB),
+    )
+    return dataclasses.replace(parallel, tp=tp, pp=pp), reason
+
+
+def check_model_parallel(model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlanFn | None = None) -> list[str]:
+    """Driver-side check of a tp x pp layout on the meta model: the pipeline stages can be cut, and the TP plan
+    exists and splits every planned layer evenly, on the whole model and on each stage as a worker applies it.
+    Returns the lines to log (none for tp = pp = 1); raises `ConfigError` naming the problem."""
+    from raytrain.preflight import build_model_for_check
+
+    def build() -> nn.Module:
+        return build_model_for_check(model_fn)
+
+    lines = []
+    if tp > 1:
+        stages = (lambda: stage_models(build, pp)) if pp > 1 else None
+        plan = check_tp_plan(build(), tp_plan_fn, tp, stages)
+        lines.append(f"tensor parallel: {len(plan)} linear layers split over tp = {tp} workers of a node")
+    if pp > 1:
+        units = pipeline_units(build())
+        counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
+        sizes = [sum(counts[a:b]) for a, b in stage_bounds(counts, pp)]
+        lines.append(
+            f"pipeline parallel: {len(units)} units in {pp} stages of {', '.join(f'{n:,}' for n in sizes)} "
+            "parameters (GPipe over the accumulation micro-batches)"
+        )
+    return lines
