@@ -92,7 +92,7 @@ def run_raytrain(storage: str, data_dir: str, name: str, mode: str, workers: int
     import ray.data
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-    from raytrain.parquet_source import ParquetSource
+    from raytrain.data.parquet import ParquetSource
     from raytrain.toy import squared_error
     from raytrain.trainer import ElasticTrainer
 
@@ -195,7 +195,7 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
 
 def streaming_consumed_ids(samples: int, workers: int, shuffle_buffer: int, read_batch: int) -> list[np.ndarray]:
     """The ids streaming mode has consumed halfway through an epoch of `samples` rows, per rank, from a real Ray
-    Data pipeline read as `raytrain.streaming` reads it: `ray.data.range(samples)` split with
+    Data pipeline read as `raytrain.data.streaming` reads it: `ray.data.range(samples)` split with
     `streaming_split(equal=False)`, each of `workers` consumers iterating its split in batches of `read_batch` with
     a local shuffle buffer of `shuffle_buffer` rows, until half the rows are consumed."""
     import threading
@@ -230,12 +230,12 @@ def streaming_consumed_ids(samples: int, workers: int, shuffle_buffer: int, read
 def position_checkpoint_cost(samples: int) -> dict[str, float]:
     """Bytes and seconds of writing the data position halfway through an epoch of `samples` samples. The position
     modes write the train state (a few numbers as JSON). Streaming mode writes the set of consumed ids as ranges
-    (`raytrain.id_ranges`), merged at each checkpoint with the last interval's ids: measured on the ids a real
+    (`raytrain.data.id_ranges`), merged at each checkpoint with the last interval's ids: measured on the ids a real
     Ray Data streaming split consumed (2 workers, raytrain's default shuffle buffer), then on ids in no order
     at all (a random half: the worst case), each against the sorted id array raytrain wrote before."""
     from raytrain.checkpoint import TrainState
     from raytrain.config import LoopConfig
-    from raytrain.id_ranges import IdRanges
+    from raytrain.data.id_ranges import IdRanges
 
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as directory:

@@ -174,7 +174,7 @@ def bare_ray_train(storage: str) -> dict[str, float]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raytrain.demo import WORKER_SLOT, FakeCluster
+    from raytrain.cli.demo import WORKER_SLOT, FakeCluster
     from raytrain.trainer import apply_ray_env_defaults
 
     apply_ray_env_defaults()

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from raytrain.checkpoint_files import STATE_FILE, SafeLoadPlanner, SafeReader, file_sizes, write_manifest
 from raytrain.collectives import all_gather_objects
-from raytrain.id_ranges import IdRanges
+from raytrain.data.id_ranges import IdRanges
 
 CONSUMED_FILE = "consumed_ranges.npy"
 CONSUMED_IDS_FILE = "consumed_ids.npy"  # written before ranges (every id, sorted): still read

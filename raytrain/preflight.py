@@ -99,7 +99,7 @@ def check_loss_fn(
     device (shapes only, no compute); if the call fails there, a real CPU model from `build_cpu_model` (when it
     has at most `CPU_CHECK_MAX_PARAMS` parameters) decides whether the failure is the code's or meta's.
     Returns a note for the log ("" when the check ran)."""
-    from raytrain.data import to_tensors
+    from raytrain.data.materialized import to_tensors
 
     rows = len(next(iter(sample.values())))
     columns = sorted(sample)

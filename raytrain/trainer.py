@@ -32,8 +32,8 @@ from raytrain.config import (
     TrainSpec,
 )
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
+from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source
 from raytrain.errors import ConfigError, UserCodeError
-from raytrain.parquet_source import ParquetIndex, ParquetSource, as_source
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
 from raytrain.run_lock import run_lock
 from raytrain.storage import RunStorage
@@ -208,7 +208,7 @@ class ElasticTrainer:
             and LR ratios under every strategy, zero1 included (see `raytrain.optim`).
         datasets: {"train": ..., "val": ... (optional)}; each a `raytrain.ParquetSource` (or a path / `s3://`
             URI of Parquet files: read in place by every worker in an exact, W-invariant order with bounded
-            memory; see `raytrain.parquet_source`) or a `ray.data.Dataset` (materialized once in the object
+            memory; see `raytrain.data.parquet`) or a `ray.data.Dataset` (materialized once in the object
             store in deterministic mode, streamed with `deterministic=False`). The columns named in
             `required_columns` must exist. The validation set is materialized; its mean loss is reported as
             `val_loss` at every checkpoint.
@@ -375,14 +375,14 @@ class ElasticTrainer:
         if note:
             say(note)
         if self.spec.parallel.degrees[1] > 1:
-            from raytrain.data import to_tensors
+            from raytrain.data.materialized import to_tensors
             from raytrain.parallel.pipeline import model_inputs
 
             model_inputs(self.loss_fn, to_tensors(sample, "cpu"))  # the first stage's input: one tensor
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
-        from raytrain.data import run_total_steps
+        from raytrain.data.materialized import run_total_steps
         from raytrain.preflight import check_lr_schedule_fn
         from raytrain.worker_loop import WorkerJob
 
@@ -430,10 +430,16 @@ class ElasticTrainer:
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.v2.api.exceptions import ControllerError
 
-        from raytrain.data import IndexedData, as_column, check_columns, check_numeric_columns, steps_per_epoch
+        from raytrain.data.materialized import (
+            IndexedData,
+            as_column,
+            check_columns,
+            check_numeric_columns,
+            steps_per_epoch,
+        )
+        from raytrain.data.streaming import ExactSplitConfig
         from raytrain.memory_plan import format_bytes
         from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors, torch_trainer_class
-        from raytrain.streaming import ExactSplitConfig
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec

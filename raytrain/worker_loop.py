@@ -26,11 +26,13 @@ from raytrain.checkpoint import PendingSave, TrainState, checkpoint_group, finis
 from raytrain.checkpoint_files import checkpoint_dirs, read_step, remove_uncommitted, verify
 from raytrain.collectives import all_gather_objects, all_reduce_max_floats, all_reduce_sum
 from raytrain.config import TrainSpec
-from raytrain.data import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.materialized import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.data.parquet import ParquetIndex, ParquetSteps
+from raytrain.data.streaming import StreamingSteps
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
-from raytrain.id_ranges import IdRanges
 from raytrain.lr_rules import describe_lr_on_resume
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
 from raytrain.parallel.apply import (
@@ -47,11 +49,9 @@ from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
 from raytrain.parallel.pipeline import check_losses, gpipe_step, widen
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, plan_of
-from raytrain.parquet_source import ParquetIndex, ParquetSteps
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
 from raytrain.storage import node_local_copy
-from raytrain.streaming import StreamingSteps
 
 StepSource = ParquetSteps | IndexedSteps | StreamingSteps
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
-from raytrain.parquet_source import ParquetSource
+from raytrain.data.parquet import ParquetSource
 from raytrain.ports import free_port
 from raytrain.toy import mlp_factory, regression_dataset, sgd, squared_error, write_regression_parquet
 from raytrain.trainer import ElasticTrainer

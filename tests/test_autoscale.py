@@ -1,4 +1,4 @@
-"""Ray's real autoscaler (v2) over `cluster.yaml`'s own node types, on one machine (`raytrain.local_autoscaler`).
+"""Ray's real autoscaler (v2) over `cluster.yaml`'s own node types, on one machine (`raytrain.cli.local_autoscaler`).
 
 The cluster starts with the head and the file's `min_workers` worker nodes (0 for every type); every worker node
 the run gets is launched by the autoscaler for the trainer's pending demand; a node taken back by the node
@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from ray_helpers import assert_same_curve, check_invariants, demo, wait_for
 
-from raytrain.local_autoscaler import LocalAutoscalingCluster
+from raytrain.cli.local_autoscaler import LocalAutoscalingCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

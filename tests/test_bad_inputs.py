@@ -234,7 +234,7 @@ def test_bad_data_or_functions(
 def test_streaming_without_an_id_column_and_unknown_toml_keys(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="id_column must name a column with a unique integer id per sample"):
         make_trainer(tmp_path, "s", workers=1, deterministic=False, id_column=None)
-    from raytrain.fit_config import parse_fit_config
+    from raytrain.cli.fit_config import parse_fit_config
 
     path = tmp_path / "job.toml"
     path.write_text(

@@ -24,7 +24,7 @@ from raytrain.checkpoint import (
     save_checkpoint,
 )
 from raytrain.checkpoint_files import SafeReader, checkpoint_dirs, verify
-from raytrain.id_ranges import IdRanges
+from raytrain.data.id_ranges import IdRanges
 
 
 def _checkpoint(tmp_path: Path, step: int = 3) -> tuple[Path, nn.Module]:

@@ -23,8 +23,8 @@ from torch import nn
 
 from raytrain.batch_plan import plan_batch
 from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_checkpoint, save_checkpoint, start_save
-from raytrain.data import rank_micro_batches
-from raytrain.id_ranges import IdRanges
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.materialized import rank_micro_batches
 from raytrain.optim import build_optimizer
 from raytrain.parallel.apply import apply_parallelism
 from raytrain.testing.multiprocess import run_world

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
-from raytrain.data import rank_micro_batches as _rank_micro_batches
+from raytrain.data.materialized import rank_micro_batches as _rank_micro_batches
 from raytrain.model_init import init_weights
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
 from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy

@@ -9,15 +9,15 @@ from typing import Any
 import pytest
 import yaml
 
-from raytrain.demo import DemoOptions, autoscale_summary
-from raytrain.errors import ConfigError
-from raytrain.local_autoscaler import (
+from raytrain.cli.demo import DemoOptions, autoscale_summary
+from raytrain.cli.local_autoscaler import (
     HEAD_TYPE,
     autoscaling_config,
     load_cluster_yaml,
     local_node_types,
     packaged_cluster_yaml,
 )
+from raytrain.errors import ConfigError
 
 REPO_CLUSTER_YAML = Path(__file__).resolve().parents[1] / "cluster.yaml"
 
@@ -55,7 +55,7 @@ def test_autoscaling_config_keeps_the_files_cluster_settings() -> None:
     assert generated["max_workers"] == config["max_workers"]
     assert generated["upscaling_speed"] == config["upscaling_speed"]
     assert generated["idle_timeout_minutes"] == 0.25
-    assert generated["provider"]["module"] == "raytrain.local_autoscaler.ReclaimableFakeProvider"
+    assert generated["provider"]["module"] == "raytrain.cli.local_autoscaler.ReclaimableFakeProvider"
     assert generated["provider"]["gcs_address"] == "127.0.0.1:1234"  # never the default port 6379
     assert generated["head_node_type"] == HEAD_TYPE
     assert generated["available_node_types"][HEAD_TYPE]["max_workers"] == 0
@@ -128,7 +128,7 @@ def test_autoscale_summary_times_growth_and_replacement_from_the_worker_groups()
 
 
 def test_autoscale_refuses_an_existing_cluster(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from raytrain.demo import run_demo
+    from raytrain.cli.demo import run_demo
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(ConfigError, match="--autoscale starts a cluster of its own"):
@@ -137,7 +137,7 @@ def test_autoscale_refuses_an_existing_cluster(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_node_counts_follow_the_autoscalers_history() -> None:
-    from raytrain.demo import node_counts
+    from raytrain.cli.demo import node_counts
 
     history = [
         {"time": 12.0, "change": "down"},

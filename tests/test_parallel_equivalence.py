@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raytrain.batch_plan import plan_batch
-from raytrain.data import rank_micro_batches
+from raytrain.data.materialized import rank_micro_batches
 from raytrain.optim import build_optimizer, call_optimizer_fn
 from raytrain.parallel.apply import apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims
@@ -260,7 +260,7 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, layout_state: Any
 
 def _reshard_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]:
     from raytrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
-    from raytrain.id_ranges import IdRanges
+    from raytrain.data.id_ranges import IdRanges
 
     results: dict[str, object] = {}
     for key, layout in RESHARD_LAYOUTS.items():

@@ -12,9 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
+from raytrain.data.parquet import MAX_WINDOWS_AHEAD, OPEN_FILES, ParquetIndex, ParquetSource, ParquetSteps, as_source
+from raytrain.data.sample_order import WindowedOrder, canonical_ids, windows_between
 from raytrain.errors import ConfigError
-from raytrain.parquet_source import MAX_WINDOWS_AHEAD, OPEN_FILES, ParquetIndex, ParquetSource, ParquetSteps, as_source
-from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
 from raytrain.toy import regression_arrays, write_regression_parquet
 
 

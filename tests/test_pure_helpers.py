@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
-from raytrain.demo import Event, parse_events
+from raytrain.cli.demo import Event, parse_events
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.streaming import micro_split, take_counts
 from raytrain.errors import ConfigError
-from raytrain.id_ranges import IdRanges
 from raytrain.rank0 import Rank0Log, progress_bar, resize_line
-from raytrain.streaming import micro_split, take_counts
 
 
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(1, 64))
@@ -98,7 +98,7 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
 
 
 def test_timeline_shades_retrained_steps_recoveries_and_marks_unplanned_restarts() -> None:
-    from raytrain.demo import AppliedEvent, timeline
+    from raytrain.cli.demo import AppliedEvent, timeline
 
     starts = [
         {"time": 100.0, "world_size": 3, "step": 0},
@@ -113,7 +113,7 @@ def test_timeline_shades_retrained_steps_recoveries_and_marks_unplanned_restarts
 
 
 def test_demo_warns_about_settings_that_cannot_take_effect() -> None:
-    from raytrain.demo import DemoOptions
+    from raytrain.cli.demo import DemoOptions
 
     options = DemoOptions(nodes=3, min_workers=1, max_workers=5, steps=240, events="remove@20,add@500")
     notes = options.warnings(embedded=True)
@@ -123,7 +123,7 @@ def test_demo_warns_about_settings_that_cannot_take_effect() -> None:
 
 
 def test_fit_summary_counts_this_invocations_restarts_and_agrees_on_the_epoch(tmp_path: Path) -> None:
-    from raytrain.cli import fit_summary
+    from raytrain.cli.main import fit_summary
     from raytrain.trainer import FitResult
 
     (tmp_path / "metrics.jsonl").write_text(

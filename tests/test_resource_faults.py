@@ -16,7 +16,7 @@ import torch
 from ray_helpers import make_trainer, read_jsonl, wait_for
 
 from raytrain.checkpoint_files import checkpoint_dirs, latest_committed, verify
-from raytrain.demo import PacedLoss
+from raytrain.cli.demo import PacedLoss
 from raytrain.errors import UserCodeError
 from raytrain.toy import squared_error
 

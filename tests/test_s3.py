@@ -16,8 +16,8 @@ from ray_helpers import make_trainer, read_jsonl
 
 from raytrain.checkpoint_files import checkpoint_dirs, latest_committed, verify
 from raytrain.config import CheckpointConfig
+from raytrain.data.parquet import ParquetSource
 from raytrain.errors import ConfigError
-from raytrain.parquet_source import ParquetSource
 from raytrain.ports import free_port
 from raytrain.storage import run_storage
 from raytrain.toy import write_regression_parquet
@@ -118,7 +118,7 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
 
     from raytrain.checkpoint import TrainState, save_checkpoint
     from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig
-    from raytrain.id_ranges import IdRanges
+    from raytrain.data.id_ranges import IdRanges
     from raytrain.trainer import TrainSpec, check_resumable, check_storage
 
     model = nn.Linear(4, 1)
@@ -169,7 +169,7 @@ def test_uncommitted_checkpoints_on_s3_are_removed_and_older_ones_are_candidates
 
     from raytrain.checkpoint import TrainState, save_checkpoint
     from raytrain.checkpoint_files import remove_uncommitted
-    from raytrain.id_ranges import IdRanges
+    from raytrain.data.id_ranges import IdRanges
     from raytrain.worker_loop import restore_candidates
 
     model = nn.Linear(4, 1)

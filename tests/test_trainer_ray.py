@@ -142,7 +142,7 @@ def test_indexed_data_orders_rows_by_id_whatever_the_block_order(ray_local: None
     import pyarrow as pa
     import ray.data
 
-    from raytrain.data import IndexedData
+    from raytrain.data.materialized import IndexedData
 
     first = pa.table({"id": pa.array([5, 1, 3], pa.int64()), "x": pa.array([5.0, 1.0, 3.0])})
     second = pa.table({"id": pa.array([0, 4, 2], pa.int64()), "x": pa.array([0.0, 4.0, 2.0])})

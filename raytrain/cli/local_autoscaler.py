@@ -214,7 +214,7 @@ class ReclaimableFakeProvider(FakeMultiNodeProvider):
 
 def packaged_cluster_yaml() -> str:
     """Path of the `cluster.yaml` shipped inside the package (a link to the repository's top-level file)."""
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "cluster.yaml")
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cluster.yaml")
 
 
 def load_cluster_yaml(path: str = "") -> dict[str, Any]:

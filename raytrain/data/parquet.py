@@ -4,7 +4,7 @@ world-size-independent order, with bounded memory per worker.
     datasets={"train": raytrain.ParquetSource("s3://bucket/train/")}    # or a local directory / file list
 
 On the driver, `ParquetSource.index` reads only the files' footers: the canonical partition is the list of
-(file, row group, rows) with files sorted by path. Every worker then follows `raytrain.sample_order.WindowedOrder`
+(file, row group, rows) with files sorted by path. Every worker then follows `raytrain.data.sample_order.WindowedOrder`
 (a seeded permutation of row groups, a seeded shuffle of rows within windows of `shuffle_window` row groups): the
 global batch of a step is the next B positions of the epoch's order, and rank r reads the windows its slice
 touches from the files, never from object-store copies that vanish with a node. A background thread loads the
@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.sample_order import WindowedOrder, canonical_ids, windows_between
 from raytrain.errors import ConfigError
-from raytrain.id_ranges import IdRanges
-from raytrain.sample_order import WindowedOrder, canonical_ids, windows_between
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class ParquetIndex:
         import pyarrow.parquet as pq
         from ray.data.block import BlockAccessor
 
-        from raytrain.data import as_column
+        from raytrain.data.materialized import as_column
 
         files = {} if files is None else files
         tables = []
@@ -367,7 +367,7 @@ class ParquetSteps:
         The step's rows were normally assembled in the background while the previous step trained; this call
         only hands them over and leaves the planning of the next steps to the assembler thread (`_plan_ahead`),
         so the training thread does almost nothing here."""
-        from raytrain.data import steps_left_in_epoch
+        from raytrain.data.materialized import steps_left_in_epoch
 
         now = time.perf_counter()
         if self._last_call is not None:
@@ -411,7 +411,7 @@ class ParquetSteps:
 
     def _assemble(self, epoch: int, sample_in_epoch: int) -> Any:
         """This rank's rows of the step at (epoch, sample_in_epoch) as CPU tensors (runs in the prefetch pool)."""
-        from raytrain.data import StepData, to_tensors
+        from raytrain.data.materialized import StepData, to_tensors
 
         plan = self._plan_at(sample_in_epoch)
         start, end = self._slice(epoch, sample_in_epoch, plan)

@@ -23,7 +23,7 @@ from raytrain.errors import ConfigError, UserCodeError
 from raytrain.run_lock import run_lock
 
 if TYPE_CHECKING:
-    from raytrain.fit_config import FitJob
+    from raytrain.cli.fit_config import FitJob
     from raytrain.trainer import FitResult
 
 EXIT_USAGE = 2
@@ -303,7 +303,7 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_demo(args: argparse.Namespace) -> int:
     from raytrain.batch_plan import parse_worker_range
-    from raytrain.demo import DemoOptions, run_demo
+    from raytrain.cli.demo import DemoOptions, run_demo
 
     slots = args.slots_per_node if args.slots_per_node is not None else max(1, args.tp)
     replica = max(1, args.tp) * max(1, args.pp)
@@ -391,7 +391,7 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fit",
         help="train from a TOML config file (on RAY_ADDRESS's cluster, or a local Ray instance)",
-        description="Run a training job described by a TOML file (see raytrain/fit_config.py for the format). "
+        description="Run a training job described by a TOML file (see raytrain/cli/fit_config.py for the format). "
         "Flags override the file. With RAY_ADDRESS set (as under `ray job submit`) it trains on that cluster; "
         "otherwise it starts a local Ray instance.",
         epilog="examples:\n"
@@ -437,7 +437,7 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 
 def _run_fit(args: argparse.Namespace) -> int:
-    from raytrain.fit_config import describe_plan, parse_fit_config
+    from raytrain.cli.fit_config import describe_plan, parse_fit_config
     from raytrain.trainer import check_ray_address, check_resumable, check_storage
 
     job = parse_fit_config(args.config, _fit_overrides(args))

@@ -7,7 +7,7 @@ every optimizer step is agreed collectively (`take_counts`): each rank offers wh
 is covered by ranks that still have rows; only when every shard is exhausted is the epoch's final step smaller
 than B (and normalised by its true size). Sample order is NOT reproducible across world sizes or restarts here;
 exactly-once is: the ids consumed in the current epoch are part of every checkpoint (as ranges of consecutive ids,
-`raytrain.id_ranges`) and filtered out after a restart, so committed samples are not replayed and samples after
+`raytrain.data.id_ranges`) and filtered out after a restart, so committed samples are not replayed and samples after
 the checkpoint are (the model was rolled back).
 """
 
@@ -21,8 +21,8 @@ from ray.train import DataConfig
 
 from raytrain.batch_plan import BatchPlan, _even_split
 from raytrain.collectives import all_gather_ints, all_gather_objects
-from raytrain.data import as_column
-from raytrain.id_ranges import IdRanges
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.materialized import as_column
 
 
 class ExactSplitConfig(DataConfig):
@@ -194,7 +194,7 @@ class StreamingSteps:
         The position within the epoch is the set of consumed ids, not `sample_in_epoch` (kept for the same
         signature as deterministic mode). When the epoch is used up its ids are forgotten: a checkpoint taken
         after that holds the next epoch's (empty) set, so a run extended with more epochs trains all of them."""
-        from raytrain.data import StepData, to_tensors
+        from raytrain.data.materialized import StepData, to_tensors
 
         if self._shard is None or epoch != self._epoch:
             self._shard = self._open(epoch)

@@ -12,7 +12,7 @@ trains on that cluster instead, and only `kill` events can be applied there.
     raytrain demo --autoscale                       # nodes come from Ray's autoscaler, one spot reclaim
 
 With --autoscale the cluster starts with the head and `cluster.yaml`'s `min_workers` nodes only; Ray's autoscaler
-(v2, over the file's own node types, `raytrain.local_autoscaler`) launches nodes for the trainer's demand,
+(v2, over the file's own node types, `raytrain.cli.local_autoscaler`) launches nodes for the trainer's demand,
 replaces a node that `reclaim@STEP` has the node provider take back, and removes idle nodes after training.
 """
 
@@ -133,7 +133,7 @@ class DemoOptions:
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout must be > 0 seconds, got {self.idle_timeout_s}")
         if self.autoscale:
-            from raytrain.local_autoscaler import load_cluster_yaml
+            from raytrain.cli.local_autoscaler import load_cluster_yaml
 
             load_cluster_yaml(self.cluster_yaml)  # a missing or broken file fails before any Ray process
 
@@ -259,7 +259,7 @@ class AutoscaledNodes:
     without notice, as a cloud reclaims a spot instance. `poll` reports the nodes that came up or went away."""
 
     def __init__(self, cluster_yaml: str, idle_timeout_s: float) -> None:
-        from raytrain.local_autoscaler import LocalAutoscalingCluster
+        from raytrain.cli.local_autoscaler import LocalAutoscalingCluster
         from raytrain.ray_hooks import FAST_NODE_DEATH
 
         self.cluster = LocalAutoscalingCluster.from_cluster_yaml(
@@ -631,7 +631,7 @@ def plot_run(
 def _demo_data(options: DemoOptions, run_name: str, rows: int, features: int) -> Any:
     """The demo's training data: Parquet files in `<storage>/.demo-data/<run>` (written once, 64-row row groups),
     read in place in the exact order (default), or a Ray dataset streamed with `--no-deterministic`."""
-    from raytrain.parquet_source import ParquetSource
+    from raytrain.data.parquet import ParquetSource
     from raytrain.toy import regression_dataset, write_regression_parquet
 
     if not options.deterministic:

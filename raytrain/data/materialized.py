@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from raytrain.data.id_ranges import IdRanges
 from raytrain.errors import ConfigError
-from raytrain.id_ranges import IdRanges
 
 
 @dataclass(frozen=True)
