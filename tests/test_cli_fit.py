@@ -72,7 +72,8 @@ def test_dry_run_with_tp_pp_auto_shows_the_layout_auto_chose(tmp_path: Path) -> 
     )
     result = run_cli("fit", write(tmp_path, text), "--dry-run", "--storage", str(tmp_path / "r"))
     assert result.returncode == 0, result.stderr
-    assert "layout auto -> tp 2, pp 1 on 2 workers of 1.2e-05 GB, 2 per node, zero2 on the dp axis" in result.stdout
+    chose = "layout auto -> tp 2, pp 1 on 2 workers of 1.2e-05 GB, 2 per node, counted with zero2 on the dp axis"
+    assert chose in result.stdout
     assert "W 2 = dp 1, tp 2, pp 1: accumulation 4, samples/replica [8]" in result.stdout
     assert "tensor parallel: 2 linear layers split over tp = 2" in result.stdout
     odd = run_cli("fit", write(tmp_path, text), "--dry-run", "--tp", "auto", "--pp", "auto", "--workers", "2:3")

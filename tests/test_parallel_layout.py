@@ -41,7 +41,7 @@ def test_auto_applies_the_planners_layout(memory_gb: float, per_node: int, expec
     )
     assert (tp, pp) == expected
     assert reason.startswith(f"layout auto -> tp {tp}, pp {pp} on 8 workers of {memory_gb:.3g} GB, {per_node} per node")
-    assert ("zero2 on the dp axis" in reason) == (tp * pp > 1)
+    assert ("counted with zero2 on the dp axis" in reason) == (tp * pp > 1)
 
 
 def test_auto_plans_for_the_smallest_world_and_whole_nodes() -> None:

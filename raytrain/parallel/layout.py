@@ -8,8 +8,9 @@ memory planner, and the chosen layout checked on the meta model.
 * ddp, zero1, zero2 or zero3 recommended: tp = pp = 1 (the strategy itself is `LoopConfig.strategy`; "auto" is
   decided on the workers from their memory at every start);
 * ``tp=<d>`` or ``tp=<d>,pp=<s>`` recommended: that layout. The planner counts ZeRO-1 over the dp replicas; raytrain
-  runs zero2 there (its ZeRO-1 takes no DTensors), which holds no more: p Ψ/(d s) + (g + o) Ψ/N against
-  (p + g) Ψ/(d s) + o Ψ/N, with N >= d s;
+  cannot run zero1 with tp/pp (its ZeRO-1 takes no DTensors), but zero2 holds no more: p Ψ/(d s) + (g + o) Ψ/N
+  against (p + g) Ψ/(d s) + o Ψ/N, with N >= d s. So the layout fits with strategy zero2 or zero3, and with
+  "auto" (the workers then pick among ddp, zero2 and zero3 from their memory); a strategy the user fixed is kept;
 * nothing fits: a `ConfigError` with the planner's reason.
 
 The decision is a function of the config and the model only (not of the nodes that happen to be up), so a rerun
@@ -66,7 +67,7 @@ def choose_layout(
         return 1, 1, f"layout auto -> tp 1, pp 1 on {where} (planner: {rec}, {plan.reason})"
     degrees = dict(part.split("=") for part in rec.split(","))
     tp, pp = int(degrees["tp"]), int(degrees.get("pp", "1"))
-    return tp, pp, f"layout auto -> tp {tp}, pp {pp} on {where}, zero2 on the dp axis ({plan.reason})"
+    return tp, pp, f"layout auto -> tp {tp}, pp {pp} on {where}, counted with zero2 on the dp axis ({plan.reason})"
 
 
 def resolve_parallel(
