@@ -439,7 +439,7 @@ def start_run(job: WorkerJob) -> Run:
         precision=parallel.precision,
         device=device,
         local_workers=context.get_local_world_size(),
-        model_parallel=dims.tp * dims.pp,
+        stages=dims.pp,
         units_fn=job.units_fn,
     )
     if layout.reason:

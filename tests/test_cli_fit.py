@@ -81,6 +81,8 @@ def test_dry_run_with_tp_pp_auto_shows_the_layout_auto_chose(tmp_path: Path) -> 
     assert (
         "max_workers must be a multiple of tp * pp (2 * 1 = 2)" in odd.stderr and "(layout auto -> tp 2" in odd.stderr
     )
+    alone = run_cli("fit", EXAMPLE, "--dry-run", "--tp", "auto", "--workers", "2")  # --tp auto implies --pp auto
+    assert alone.returncode == 2 and "set device_memory_gb" in alone.stderr
     half = run_cli("fit", write(tmp_path, text), "--dry-run", "--tp", "2")
     assert half.returncode == 2 and "set both to 'auto' or both to integers, got tp=2, pp='auto'" in half.stderr
 

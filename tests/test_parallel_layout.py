@@ -101,3 +101,35 @@ def test_one_driver_check_names_the_layout_or_the_problem() -> None:
         check_model_parallel(GPT, 1, 2)
     with pytest.raises(ConfigError, match=r"tp > 1 needs a tensor-parallel plan for Sequential"):
         check_model_parallel(mlp, 2, 1)
+
+
+def _strategy_with_memory(rank: int, world: int, memory: int, stages: int) -> str:
+    from unittest import mock
+
+    import torch
+
+    from raytrain.parallel import strategy
+
+    with mock.patch.object(strategy, "device_memory_bytes", return_value=memory):  # the memory a worker reports
+        try:
+            return strategy.resolve_layout(
+                "auto",
+                "unsharded",
+                block_mlp(),  # 17,345 parameters; the heavier of 2 stages holds 8,800
+                world_size=1,
+                accumulation_steps=1,
+                precision="fp32",
+                device=torch.device("cpu"),
+                stages=stages,
+            ).strategy
+        except ConfigError as err:
+            return f"refused: {err}"
+
+
+def test_strategy_auto_on_the_workers_counts_the_heaviest_pipeline_stage() -> None:
+    from raytrain.testing.multiprocess import run_world
+
+    # at dp = 1 every strategy holds 16 bytes per parameter counted: the whole model 277,520 bytes, the heavier
+    # stage 140,800. A worker of 200,000 bytes (budget 160,000) holds the stage, not the whole model.
+    whole, stage = (run_world(_strategy_with_memory, 1, 200_000, stages)[0] for stages in (1, 2))
+    assert whole.startswith("refused: strategy 'auto': the model (17,345 parameters) does not fit") and stage == "ddp"

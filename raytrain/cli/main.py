@@ -413,7 +413,9 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
         "--storage", help="override [checkpoint] storage_path: a directory or a URI such as s3://bucket/runs"
     )
     p.add_argument("--log-dir", help="override [checkpoint] log_dir: where a URI storage's run files go")
-    p.add_argument("--tp", type=_degree, help="override [parallel] tp (tensor-parallel degree, or auto)")
+    p.add_argument(
+        "--tp", type=_degree, help="override [parallel] tp (tensor-parallel degree, or auto: tp and pp chosen together)"
+    )
     p.add_argument("--pp", type=_degree, help="override [parallel] pp (pipeline stages, or auto)")
     p.add_argument("--run-name", help="override [checkpoint] run_name")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
@@ -430,6 +432,8 @@ def _fit_overrides(args: argparse.Namespace) -> dict[str, dict[str, object]]:
         "cluster": {},
         "parallel": {"tp": args.tp, "pp": args.pp},
     }
+    if "auto" in (args.tp, args.pp) and None in (args.tp, args.pp):  # tp and pp are chosen together
+        table["parallel"] = {"tp": "auto", "pp": "auto"}
     if args.workers:
         low, high = parse_worker_range(args.workers)
         table["cluster"] = {"min_workers": low, "max_workers": high}

@@ -130,23 +130,30 @@ def resolve_layout(
     device: torch.device,
     local_workers: int = 1,
     units_fn: UnitsFn | None = None,
-    model_parallel: int = 1,
+    stages: int = 1,
 ) -> Layout:
     """`choose_layout` for `model` (meta or real, whole) on this worker group; a collective when anything is
     "auto" (the smallest worker's memory decides, so every rank resolves the same layout). `world_size` is the dp
-    degree; with `model_parallel` = tp * pp > 1 each rank holds about 1 / model_parallel of the parameters and of
-    the largest unit, and that share is what is counted."""
+    degree. With `stages` > 1 pipeline stages the heaviest stage's parameters are counted (`stage_bounds`); a
+    tensor-parallel split is not subtracted (layers outside the plan stay whole), and the largest and root FSDP
+    units are counted whole: upper bounds, so `auto` never picks a strategy that holds more than it counted."""
     if strategy != "auto" and grad_accumulation != "auto":
         return Layout(strategy, grad_accumulation, "")
     memory = all_reduce_min(device_memory_bytes(device, local_workers))
     units, _ = fsdp_units(model, units_fn)
     sizes = unit_params(model, units)
+    num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if stages > 1:
+        from raytrain.parallel.pipeline import pipeline_units, stage_bounds
+
+        counts = [sum(p.numel() for p in c[i].parameters() if p.requires_grad) for c, i, _ in pipeline_units(model)]
+        num_params = max(sum(counts[a:b]) for a, b in stage_bounds(counts, stages))
     return choose_layout(
         strategy,
         grad_accumulation,
-        num_params=-(-sum(p.numel() for p in model.parameters() if p.requires_grad) // model_parallel),
-        largest_unit=-(-max(sizes) // model_parallel),
-        root_unit=-(-sizes[-1] // model_parallel),
+        num_params=num_params,
+        largest_unit=max(sizes),
+        root_unit=sizes[-1],
         world_size=world_size,
         accumulation_steps=accumulation_steps,
         precision=precision,
