@@ -260,23 +260,18 @@ class ElasticTrainer:
         if "train" not in datasets:
             raise ConfigError(f"datasets must contain a 'train' dataset, got keys {sorted(datasets)}")
         datasets = {name: as_source(value) for name, value in datasets.items()}
-        from raytrain.parallel.layout import resolve_parallel
+        from raytrain.parallel.layout import resolved_spec
 
-        cluster = cluster or ClusterConfig()
-        parallel, self.layout_reason = resolve_parallel(parallel or ParallelConfig(), cluster, model_fn, units_fn)
-        try:
-            self.spec = TrainSpec(
-                batch=batch,
-                lr=lr,
-                loop=loop or LoopConfig(),
-                checkpoint=checkpoint or CheckpointConfig(),
-                cluster=cluster,
-                parallel=parallel,
-            )
-        except ConfigError as err:
-            if not self.layout_reason:
-                raise
-            raise ConfigError(f"{err} ({self.layout_reason})") from None
+        self.spec, self.layout_reason = resolved_spec(
+            model_fn,
+            units_fn,
+            batch=batch,
+            lr=lr,
+            loop=loop or LoopConfig(),
+            checkpoint=checkpoint or CheckpointConfig(),
+            cluster=cluster or ClusterConfig(),
+            parallel=parallel or ParallelConfig(),
+        )
         if not self.spec.loop.deterministic and isinstance(datasets["train"], ParquetSource):
             raise ConfigError(
                 "deterministic=False streams a ray.data.Dataset; a ParquetSource (or a path) is always read in the "

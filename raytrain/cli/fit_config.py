@@ -140,13 +140,9 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
         sections[name] = cls(**values)
     base_dir = os.path.dirname(os.path.abspath(path))
     entries = {key: load_entry(entry[key], base_dir) for key in (*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS) if key in entry}
-    from raytrain.parallel.layout import resolve_parallel
+    from raytrain.parallel.layout import resolved_spec
 
-    sections["parallel"], reason = resolve_parallel(sections["parallel"], sections["cluster"], entries["model"])
-    try:
-        spec = TrainSpec(**sections)
-    except ConfigError as err:
-        raise ConfigError(f"{err} ({reason})" if reason else str(err)) from None
+    spec, reason = resolved_spec(entries["model"], **sections)
     return FitJob(spec, entries, tuple(entry.get("required_columns", ())), reason)
 
 

@@ -23,14 +23,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
-from raytrain.config import ClusterConfig, ParallelConfig
+from raytrain.config import ClusterConfig, ParallelConfig, TrainSpec
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import GB, plan_memory
 from raytrain.parallel.apply import UnitsFn, fsdp_units
-from raytrain.parallel.pipeline import pipeline_units, stage_bounds, stage_models
+from raytrain.parallel.pipeline import cut_stages, stage_models
 from raytrain.parallel.tensor import TPPlanFn, check_tp_plan
 
 ModelFn = Callable[[], nn.Module]
@@ -93,6 +94,18 @@ def resolve_parallel(
     return dataclasses.replace(parallel, tp=tp, pp=pp), reason
 
 
+def resolved_spec(model_fn: ModelFn, units_fn: UnitsFn | None = None, **sections: Any) -> tuple[TrainSpec, str]:
+    """`TrainSpec(**sections)` with tp/pp "auto" resolved first (`resolve_parallel`), and the reason; a
+    `ConfigError` the chosen layout causes (e.g. max_workers not a multiple of its tp * pp) carries the reason."""
+    parallel, reason = resolve_parallel(sections.pop("parallel"), sections["cluster"], model_fn, units_fn)
+    try:
+        return TrainSpec(parallel=parallel, **sections), reason
+    except ConfigError as err:
+        if not reason:
+            raise
+        raise ConfigError(f"{err} ({reason})") from None
+
+
 def check_model_parallel(model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlanFn | None = None) -> list[str]:
     """Driver-side check of a tp x pp layout on the meta model: the pipeline stages can be cut, and the TP plan
     exists and splits every planned layer evenly, on the whole model and on each stage as a worker applies it.
@@ -108,11 +121,9 @@ def check_model_parallel(model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlan
         plan = check_tp_plan(build(), tp_plan_fn, tp, stages)
         lines.append(f"tensor parallel: {len(plan)} linear layers split over tp = {tp} workers of a node")
     if pp > 1:
-        units = pipeline_units(build())
-        counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
-        sizes = [sum(counts[a:b]) for a, b in stage_bounds(counts, pp)]
+        cut = cut_stages(build(), pp)
         lines.append(
-            f"pipeline parallel: {len(units)} units in {pp} stages of {', '.join(f'{n:,}' for n in sizes)} "
+            f"pipeline parallel: {len(cut.units)} units in {pp} stages of {', '.join(f'{n:,}' for n in cut.sizes)} "
             "parameters (GPipe over the accumulation micro-batches)"
         )
     return lines

@@ -77,20 +77,40 @@ def stage_bounds(param_counts: list[int], stages: int) -> list[tuple[int, int]]:
     return [(start, end) for start, end in zip(starts, [*starts[1:], len(param_counts)], strict=True)]
 
 
+@dataclass(frozen=True)
+class StageCut:
+    """How `stage_bounds` cuts a model: its pipeline units (`pipeline_units`), each unit's parameter count, and each
+    stage's [start, end) over the units."""
+
+    units: list[tuple[nn.Sequential, int, str]]
+    counts: list[int]
+    bounds: list[tuple[int, int]]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Parameters per stage."""
+        return [sum(self.counts[a:b]) for a, b in self.bounds]
+
+
+def cut_stages(model: nn.Module, stages: int) -> StageCut:
+    """The cut of `model` into `stages` pipeline stages that every rank applies (`keep_stage`)."""
+    units = pipeline_units(model)
+    counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
+    return StageCut(units, counts, stage_bounds(counts, stages))
+
+
 def keep_stage(model: nn.Module, stage: int, stages: int) -> str:
     """Replace every pipeline unit outside stage `stage` of `stages` by `nn.Identity` (in place, on the meta or
     real model); returns one line for the log naming the stage's units."""
-    units = pipeline_units(model)
-    counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
-    bounds = stage_bounds(counts, stages)
-    start, end = bounds[stage]
-    for position, (container, index, _) in enumerate(units):
+    cut = cut_stages(model, stages)
+    start, end = cut.bounds[stage]
+    for position, (container, index, _) in enumerate(cut.units):
         if not start <= position < end:
             container[index] = nn.Identity()
-    names = [name for _, _, name in units[start:end]]
+    names = [name for _, _, name in cut.units[start:end]]
     return (
-        f"pipeline stage {stage} of {stages}: units {names[0]}..{names[-1]} ({sum(counts[start:end]):,} parameters;"
-        f" stages {', '.join(f'{sum(counts[a:b]):,}' for a, b in bounds)})"
+        f"pipeline stage {stage} of {stages}: units {names[0]}..{names[-1]} ({cut.sizes[stage]:,} parameters;"
+        f" stages {', '.join(f'{n:,}' for n in cut.sizes)})"
     )
 
 

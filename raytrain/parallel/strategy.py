@@ -143,11 +143,10 @@ def resolve_layout(
     units, _ = fsdp_units(model, units_fn)
     sizes = unit_params(model, units)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if stages > 1:
-        from raytrain.parallel.pipeline import pipeline_units, stage_bounds
+    if stages > 1:  # the heaviest stage as the ranks cut it (frozen parameters included: an upper bound)
+        from raytrain.parallel.pipeline import cut_stages
 
-        counts = [sum(p.numel() for p in c[i].parameters() if p.requires_grad) for c, i, _ in pipeline_units(model)]
-        num_params = max(sum(counts[a:b]) for a, b in stage_bounds(counts, stages))
+        num_params = max(cut_stages(model, stages).sizes)
     return choose_layout(
         strategy,
         grad_accumulation,
