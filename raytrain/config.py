@@ -16,6 +16,7 @@ from raytrain.lr_rules import lr_factor, peak_lr, validate_lr_rule, validate_sch
 
 StrategyName = Literal["auto", "ddp", "zero1", "zero2", "zero3"]
 STRATEGIES: tuple[str, ...] = get_args(StrategyName)
+RECOVERY_MODES = ("restart", "live")  # ClusterConfig.recovery
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 GradAccumulation = Literal["auto", "unsharded", "sharded"]
@@ -361,6 +362,12 @@ class ClusterConfig:
         resources_per_worker: Ray resources each worker needs, e.g. {"CPU": 1} or {"worker_slot": 1}.
         resize_monitor_interval_s: how often Ray Train checks for room to grow (seconds, >= 0.1).
         max_failures: worker-group failures tolerated before the run fails (-1 = unlimited).
+        recovery: "restart" (default): Ray Train restarts the worker group from the last checkpoint after a
+            failure or a resize. "live": each worker is a torchft replica group; when one dies the others finish
+            the step among themselves with the same global batch and go on, never restarting, and a replacement
+            joins with a peer's weights (`raytrain.live`; needs the `live` extra, tp = pp = 1, ddp, fp32, CPU,
+            deterministic mode). Below min_workers with no room for a replacement it falls back to a restart
+            from its newest checkpoint, saying why.
     """
 
     min_workers: int = 1
@@ -369,8 +376,10 @@ class ClusterConfig:
     resources_per_worker: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     resize_monitor_interval_s: float = 5.0
     max_failures: int = 10
+    recovery: str = "restart"
 
     def __post_init__(self) -> None:
+        _one_of("recovery", self.recovery, RECOVERY_MODES)
         _int_at_least("min_workers", self.min_workers, 1)
         _int_at_least("max_workers", self.max_workers, 1)
         if self.min_workers > self.max_workers:
@@ -422,6 +431,34 @@ class TrainSpec:
             if self.parallel.precision == "fp16":
                 raise ConfigError("precision 'fp16' is not supported with tp or pp > 1; use precision 'bf16'")
 
+        if self.cluster.recovery == "live":
+            check_live(self)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, stored in every checkpoint."""
         return asdict(self)
+
+
+def check_live(spec: TrainSpec) -> None:
+    """What `ClusterConfig(recovery="live")` runs, checked before any worker starts; `ConfigError` naming each
+    field otherwise: data parallel only (one worker per replica: tp = pp = 1, strategy ddp or auto, which live
+    mode runs as ddp), fp32, CPU workers (gloo), deterministic mode (the step number gives the data position)."""
+    problems = []
+    if spec.parallel.degrees != (1, 1):
+        problems.append(f"parallel tp and pp must be 1, got tp={spec.parallel.tp}, pp={spec.parallel.pp}")
+    if spec.loop.strategy not in ("ddp", "auto"):
+        problems.append(
+            f"loop.strategy must be 'ddp' or 'auto' (each replica holds the whole model), got {spec.loop.strategy!r}"
+        )
+    if spec.parallel.precision != "fp32":
+        problems.append(f"parallel.precision must be 'fp32', got {spec.parallel.precision!r}")
+    if spec.cluster.use_gpu:
+        problems.append("cluster.use_gpu must be False (live replicas run gloo on CPU; not tried on GPUs)")
+    if not spec.loop.deterministic:
+        problems.append("loop.deterministic must be True (a replacement finds its data position from the step)")
+    if problems:
+        raise ConfigError(
+            'ClusterConfig(recovery="live") runs data-parallel replicas only: '
+            + "; ".join(problems)
+            + ' (or use recovery="restart")'
+        )

@@ -34,7 +34,7 @@ from raytrain.config import (
 from raytrain.console import RunLogTail, init_ray, is_quiet, say
 from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source
 from raytrain.errors import ConfigError, UserCodeError
-from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE
+from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE, read_jsonl
 from raytrain.run_lock import run_lock
 from raytrain.storage import RunStorage
 from raytrain.trackers import check_trackers
@@ -298,6 +298,7 @@ class ElasticTrainer:
             )
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
+        self.live_run: Any = None  # the `raytrain.live.driver.LiveRun` of a live fit, while and after it runs
         self.units_fn = units_fn
         self.tp_plan_fn = tp_plan_fn
         check_trackers(list(trackers))
@@ -450,6 +451,13 @@ class ElasticTrainer:
             val_set = ray.data.read_parquet(files, filesystem=fs)
         val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
         trainer_datasets: dict[str, Any] = {}
+        live = spec.cluster.recovery == "live"
+        if live and isinstance(train, ParquetSource):  # live replicas read deterministic mode's in-memory order
+            import ray.data
+
+            fs, files = train.resolve()
+            train = ray.data.read_parquet(files, filesystem=fs)
+            say("live mode: the Parquet training set is materialized in Ray's object store (deterministic order)")
         if isinstance(train, ParquetSource) or spec.loop.deterministic:
             data: ParquetIndex | IndexedData
             if isinstance(train, ParquetSource):
@@ -480,6 +488,8 @@ class ElasticTrainer:
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in head.items()})
             trainer_datasets["train"] = train
         cluster = spec.cluster
+        if live:
+            return self._fit_live(job, run_dir, storage)
         if not storage.is_local:
             say(f"checkpoints go to {storage.uri}; the run's files (metrics, events, log) to {run_dir}")
         workers: int | tuple[int, int] = (
@@ -520,12 +530,52 @@ class ElasticTrainer:
         finally:
             if tail is not None:
                 tail.stop()
+        return self._result(run_dir, storage, result.metrics, result.checkpoint)
+
+    def _result(self, run_dir: str, storage: RunStorage, metrics: dict[str, Any] | None, checkpoint: Any) -> FitResult:
+        spec = self.spec
         return FitResult(
-            metrics=result.metrics,
-            checkpoint=result.checkpoint,
+            metrics=metrics,
+            checkpoint=checkpoint,
             run_dir=run_dir,
             metrics_path=os.path.join(run_dir, METRICS_FILE),
             samples_path=os.path.join(run_dir, SAMPLES_FILE) if spec.loop.audit_samples else None,
             events_path=os.path.join(run_dir, EVENTS_FILE),
             storage_uri=storage.uri,
         )
+
+    def _fit_live(self, job: WorkerJob, run_dir: str, storage: RunStorage) -> FitResult:
+        """`fit` with `ClusterConfig(recovery="live")`: torchft replica groups as Ray actors (`raytrain.live`)."""
+        from ray.train import Checkpoint
+
+        from raytrain.live.driver import LiveRun
+
+        if not storage.is_local:
+            raise ConfigError(
+                f'ClusterConfig(recovery="live") writes its run directory from the driver\'s node: storage_path must '
+                f"be a local or shared directory, got {storage.uri!r}"
+            )
+        from raytrain.console import verbose
+
+        if not verbose():
+            os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its lighthouse logs every quorum
+        try:
+            import torchft  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(
+                'ClusterConfig(recovery="live") needs torchft: pip install "raytrain[live]" (torchft >= 0.2)'
+            ) from err
+        say(
+            f"live recovery: {job.spec.cluster.max_workers} replica(s) as torchft replica groups (min "
+            f"{job.spec.cluster.min_workers}); a lost replica is replaced while the others go on"
+        )
+        self.live_run = LiveRun(job, run_dir)
+        tail = RunLogTail(run_dir).start() if is_quiet() else None
+        try:
+            result = self.live_run.fit()
+        finally:
+            if tail is not None:
+                tail.stop()
+        metrics = read_jsonl(os.path.join(run_dir, METRICS_FILE))
+        checkpoint = Checkpoint.from_directory(result.checkpoint) if result.checkpoint else None
+        return self._result(run_dir, storage, metrics[-1] if metrics else None, checkpoint)

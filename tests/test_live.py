@@ -1,5 +1,5 @@
-"""Live recovery's step (`raytrain.live`) with real torchft: a lighthouse, three replica processes on gloo, one killed
-mid-step (after its backward, before the gradient all-reduce) and a replacement started in its place.
+"""Live recovery's step (`raytrain.live.replica`) with real torchft: a lighthouse, three replica processes on gloo,
+one killed mid-step (after its backward, before the gradient all-reduce) and a replacement started in its place.
 
 Checked: the survivors run to the end in the processes they started in; the killed step is not half-applied but
 redone with the same samples split over the survivors; every committed step trains exactly the step's B sample ids
@@ -66,7 +66,7 @@ def _reference() -> list[float]:
 def _replica(
     index: int, lighthouse: str, log_path: str, kill: bool, started: Any, replacement_ready: Any, first: bool
 ) -> None:
-    from raytrain.live import LiveReplica
+    from raytrain.live.replica import LiveReplica, live_share
 
     order, columns = _data()
     model, optimizer = _model()
@@ -77,12 +77,14 @@ def _replica(
         replacement_ready.set()
     with open(log_path, "a") as log:
         while True:
-            share = replica.start_step(B, MICRO)
-            if share.step >= STEPS:
+            quorum = replica.start_step()
+            if quorum.step >= STEPS:
                 break
+            share = live_share(quorum.step, B, MICRO, quorum.participants, quorum.rank)
             if first and share.step >= KILL_FROM + 3:
                 replacement_ready.wait(timeout=120)  # pace the survivors: the replacement joins before the end
-            rows = order[share.begin : share.begin + share.count]  # global positions of epoch 0
+            begin = share.step * B + share.offset
+            rows = order[begin : begin + share.count]  # global positions of epoch 0
             cuts = np.cumsum((0, *share.micro_batches))
             micro = ({k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts))
             die = kill and share.step >= KILL_FROM

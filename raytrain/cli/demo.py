@@ -18,12 +18,14 @@ replaces a node that `reclaim@STEP` has the node provider take back, and removes
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,6 +94,7 @@ class DemoOptions:
     autoscale: bool = False  # nodes come from Ray's autoscaler over cluster.yaml's node types (local_autoscaler)
     cluster_yaml: str = ""  # the node types for --autoscale; "" = the cluster.yaml shipped with raytrain
     idle_timeout_s: float = 10.0  # --autoscale: an idle worker node is removed after this long
+    recovery: str = "restart"  # "live": torchft replica groups, survivors never restart (ClusterConfig.recovery)
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
@@ -118,7 +121,21 @@ class DemoOptions:
         if self.sample_time_s < 0:
             raise ConfigError(f"sample_time must be >= 0 seconds, got {self.sample_time_s}")
         BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
-        ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers)
+        ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers, recovery=self.recovery)
+        if self.recovery == "live":
+            live_problems = [
+                f"{name} {value!r} (live mode runs {valid})"
+                for name, value, valid in (
+                    ("--tp", self.tp, 1),
+                    ("--pp", self.pp, 1),
+                    ("--strategy", self.strategy, "ddp"),
+                    ("--deterministic", self.deterministic, True),
+                    ("--autoscale", self.autoscale, False),
+                )
+                if value != valid
+            ]
+            if live_problems:
+                raise ConfigError("--recovery live cannot run with " + ", ".join(live_problems))
         LoopConfig(strategy=self.strategy, seed=self.seed)
         check_whole_replicas(self.min_workers, self.max_workers, self.global_batch, self.tp, self.pp)
         kinds = {event.kind for event in parse_events(self.events)}
@@ -353,7 +370,14 @@ class EventDriver:
     Runs in the main thread (Ray's `Cluster.add_node` installs signal handlers, which only the main thread may).
     """
 
-    def __init__(self, events: list[Event], run_dir: str, cluster: FakeCluster | AutoscaledNodes | None) -> None:
+    def __init__(
+        self,
+        events: list[Event],
+        run_dir: str,
+        cluster: FakeCluster | AutoscaledNodes | None,
+        kill: Callable[[], str] | None = None,
+    ) -> None:
+        self.kill = kill  # live mode: the run kills one of its replicas (the worker pids are not in events.jsonl)
         self.pending = list(events)
         self.run_dir, self.cluster = run_dir, cluster
         self.last_poll = 0.0
@@ -364,7 +388,9 @@ class EventDriver:
 
     def _apply(self, event: Event, step: int) -> None:
         detail: str
-        if event.kind == "kill":
+        if event.kind == "kill" and self.kill is not None:
+            detail = self.kill()
+        elif event.kind == "kill":
             starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
             pids = starts[-1].get("pids", []) if starts else []
             if not pids:
@@ -491,6 +517,29 @@ def autoscale_summary(
         "launched_by_type": launched,
         "node_history": history,
         "scale_down_s": None if scale_down_s is None else round(scale_down_s, 2),
+    }
+
+
+def live_summary(metrics: list[dict[str, Any]], applied: list[AppliedEvent], result: Any) -> dict[str, Any]:
+    """A live run's recoveries, from its metrics and the `raytrain.live.driver.LiveResult`: for each event, the
+    seconds from the event to the first step committed after it (`pause_s`, the same measure as a restart's
+    `recovery_s`) and the world that committed it (filled into `applied` too); the steps whose attempt failed and
+    was redone (`steps_retrained`); every replica that ran to the end, with its pid and first step."""
+    for event in applied:
+        after = [m for m in metrics if m["time"] > event.time and m["step"] > event.applied_step]
+        if after:
+            event.recovered_time, event.recovered_world_size = after[0]["time"], after[0]["world_size"]
+    failed = sorted({step for outcome in result.outcomes for step in outcome.failed_steps})
+    return {
+        "pause_s": [None if e.recovery_s is None else round(e.recovery_s, 3) for e in applied],
+        "steps_retrained": len(failed),
+        "failed_steps": failed,
+        "lost": result.lost,
+        "finished": [
+            {"replica": o.replica_id, "pid": o.pid, "first_step": o.first_step, "committed": o.committed}
+            for o in result.outcomes
+        ],
+        "restarts": result.restarts,
     }
 
 
@@ -729,13 +778,15 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
             max_workers=options.max_workers,
             resources_per_worker=resources,
             resize_monitor_interval_s=options.resize_monitor_interval_s,
+            recovery=options.recovery,
         ),
         parallel=ParallelConfig(tp=options.tp, pp=options.pp),
         tp_plan_fn=mlp_tp_plan,  # used when tp > 1: the hidden layer's units split over the tp workers
         required_columns=("x", "y"),
     )
     run_dir = trainer.spec.checkpoint.run_dir()
-    driver = EventDriver(events, run_dir, cluster)
+    live = options.recovery == "live"
+    driver = EventDriver(events, run_dir, cluster, kill=(lambda: trainer.live_run.kill_replica()) if live else None)
     for event in events:
         if cluster is None and event.kind != "kill":
             driver.skipped.append(f"{event.kind}@{event.step}: only the demo's own fake-node cluster can do this")
@@ -774,15 +825,18 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
     metrics = read_jsonl(result.metrics_path)
     starts = read_jsonl(result.events_path)
     completed_epochs = len(metrics) // options.epoch_steps
+    live_part = live_summary(metrics, driver.applied, trainer.live_run.result) if live else None  # fills driver.applied
     summary: dict[str, Any] = {
         "run_dir": run_dir,
         "steps": len(metrics),
         "wall_s": round(time.time() - started, 1),
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "global_batch_sizes": sorted({m["global_batch_size"] for m in metrics}),
-        "world_sizes": [s["world_size"] for s in starts],
+        "world_sizes": [w for w, _ in itertools.groupby(m["world_size"] for m in metrics)]
+        if live
+        else [s["world_size"] for s in starts],
         "layouts": [s.get("layout") for s in starts] if options.tp * options.pp > 1 else None,
-        "restarts": len(starts) - 1,
+        "restarts": len(starts) - 1,  # live mode: only its fallbacks restart
         "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
         "skipped_events": driver.skipped,
         "plot": plot_run(
@@ -794,6 +848,8 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         "metrics": result.metrics_path,
         "checkpoint": result.checkpoint.path if result.checkpoint is not None else None,
     }
+    if live_part is not None:
+        summary["live"] = live_part
     if isinstance(cluster, AutoscaledNodes):
         summary["autoscale"] = {
             "initial_worker_nodes": cluster.initial_worker_nodes,

@@ -201,7 +201,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "  raytrain demo --nodes 2 --workers 2 --events none --steps 30\n"
         "  raytrain demo --autoscale                 # nodes from Ray's autoscaler, one spot reclaim\n"
         "  raytrain demo --tp 2 --nodes 2            # tensor parallel, 2 slots per node: W 4 -> 2 -> 4\n"
-        "  raytrain demo --pp 2 --nodes 4            # pipeline parallel across nodes: W 4 -> 2 -> 4",
+        "  raytrain demo --pp 2 --nodes 4            # pipeline parallel across nodes: W 4 -> 2 -> 4\n"
+        "  raytrain demo --recovery live --events kill@15,kill@35   # survivors never restart",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=3, help="fake nodes (default %(default)s)")
@@ -297,6 +298,14 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         help="inject worker crashes (SIGKILL) at RANK:STEP:PHASE,... or random:SEED:COUNT:LAST_STEP, PHASE in forward, "
         "backward, optimizer, checkpoint, report (see raytrain/faults.py)",
     )
+    p.add_argument(
+        "--recovery",
+        choices=["restart", "live"],
+        default="restart",
+        help="restart: Ray Train restarts the worker group from the last checkpoint (default); live: torchft "
+        "replica groups, a killed worker's peers finish the step with the same global batch and never restart, "
+        "a replacement heals from a peer (needs the live extra)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(run=_run_demo)
 
@@ -340,6 +349,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         background_save=args.background_save,
         sample_time_s=args.sample_time,
         epoch_steps=args.epoch_steps,
+        recovery=args.recovery,
     )
     summary = run_demo(options)
     if args.json:
@@ -357,14 +367,29 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"global batch    {summary['global_batch_sizes']} at every step",
         f"world sizes     {' -> '.join(str(w) for w in summary['world_sizes'])} ({summary['restarts']} restarts)",
     ]
+    live = summary.get("live")
     for event in summary["events"]:
-        recovered = (
-            f"training again at world {event['recovered_world_size']} after {event['recovery_s']:.1f} s, "
-            f"{event['steps_lost']} steps retrained"
-            if event["recovered_time"]
-            else "no restart observed"
-        )
+        if live is not None:
+            recovered = (
+                f"the next step committed at world {event['recovered_world_size']} {event['recovery_s']:.2f} s "
+                "later, no restart"
+                if event["recovered_time"]
+                else "no step committed after it"
+            )
+        elif event["recovered_time"]:
+            recovered = (
+                f"training again at world {event['recovered_world_size']} after {event['recovery_s']:.1f} s, "
+                f"{event['steps_lost']} steps retrained"
+            )
+        else:
+            recovered = "no restart observed"
         lines.append(f"event           {event['kind']} at step {event['applied_step']}: {event['detail']}; {recovered}")
+    if live is not None:
+        finished = ", ".join(f"{r['replica']} (pid {r['pid']}, from step {r['first_step']})" for r in live["finished"])
+        lines.append(
+            f"live            {len(live['lost'])} replica(s) lost, {live['steps_retrained']} step attempt(s) redone, "
+            f"{live['restarts']} fallback restart(s); ran to the end: {finished}"
+        )
     for note in summary["skipped_events"]:
         lines.append(f"skipped         {note}")
     if "autoscale" in summary:

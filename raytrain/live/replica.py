@@ -1,5 +1,5 @@
-"""Live recovery's step (issue 17, first part): data-parallel replicas as torchft replica groups that split each
-step's exact global batch among the replicas taking part in that step.
+"""Live recovery's step: data-parallel replicas as torchft replica groups that split each step's exact global batch
+among the replicas taking part in that step.
 
 torchft (https://github.com/pytorch/torchft) forms a quorum of replica groups at every step through a lighthouse;
 a replica that dies is dropped from the next quorum while the others go on, and a replacement (or a replica that
@@ -18,12 +18,13 @@ not do is keep the batch: its replicas each train their own batch, so the effect
   samples, split over the new participants.
 
 This module is the step alone, run by one process per replica group (tested with real torchft processes, a
-lighthouse and a kill in `tests/test_live.py`). The Ray Train integration (`ClusterConfig(recovery="live")`, the
-demo and the benchmark) is not built yet; see the README's "Not yet".
+lighthouse and a kill in `tests/test_live.py`); `raytrain.live.worker` runs it in a Ray actor over the run's data,
+`raytrain.live.driver` keeps the replicas going.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,15 +37,29 @@ from raytrain.batch_plan import BatchPlan, plan_batch
 
 
 @dataclass(frozen=True)
+class Quorum:
+    """What torchft's quorum for the next step says: the step (optimizer steps committed so far), how many
+    replicas take part and this replica's rank among them."""
+
+    step: int
+    participants: int
+    rank: int
+
+
+@dataclass(frozen=True)
 class LiveShare:
     """This replica's part of step `step`: `participants` replicas take part and this one is `rank` among them;
-    it trains the global positions [begin, begin + count) of the order in `micro_batches`."""
+    it trains the step's samples [offset, offset + count) (in the step's order) in `micro_batches`."""
 
     step: int
     participants: int
     rank: int
     plan: BatchPlan
-    begin: int
+
+    @property
+    def offset(self) -> int:
+        """Where this replica's slice starts among the step's samples."""
+        return sum(self.plan.per_rank_samples[: self.rank])
 
     @property
     def count(self) -> int:
@@ -62,14 +77,13 @@ class LiveShare:
         return self.participants / self.plan.global_batch
 
 
-def live_share(step: int, global_batch: int, micro_batch: int, participants: int, rank: int) -> LiveShare:
-    """Pure: participant `rank` of `participants`'s share of step `step` (global positions start at
-    step x global_batch). Raises `ValueError` unless 0 <= rank < participants."""
+def live_share(step: int, step_batch: int, micro_batch: int, participants: int, rank: int) -> LiveShare:
+    """Pure: participant `rank` of `participants`'s share of step `step`, whose batch holds `step_batch` samples
+    (the global batch; fewer only at the end of an epoch without drop_last). Raises `ValueError` unless
+    0 <= rank < participants."""
     if not 0 <= rank < participants:
         raise ValueError(f"rank must be in [0, participants={participants}), got {rank}")
-    plan = plan_batch(global_batch, micro_batch, participants)
-    begin = step * global_batch + sum(plan.per_rank_samples[:rank])
-    return LiveShare(step, participants, rank, plan, begin)
+    return LiveShare(step, participants, rank, plan_batch(step_batch, micro_batch, participants))
 
 
 class LiveReplica:
@@ -98,7 +112,7 @@ class LiveReplica:
 
         self.model, self.optimizer = model, optimizer
         self._store = TCPStore("127.0.0.1", store_port, 1, is_master=True, wait_for_workers=False)
-        pg = ProcessGroupGloo(timeout=timeout)
+        pg = self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg,
             load_state_dict=self._load_state_dict,
@@ -123,13 +137,23 @@ class LiveReplica:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
 
-    def start_step(self, global_batch: int, micro_batch: int) -> LiveShare:
-        """Join this step's quorum (healing from a peer first when behind) and return this replica's share of the
-        step torchft says is next (`manager.current_step()`, the committed steps so far)."""
+    def restore(self, state: dict[str, Any]) -> None:
+        """Load a live checkpoint (`state_dict()`'s form) before the first quorum: model, optimizer and the step
+        count, so the replicas of a restarted group go on from its step."""
+        self._load_state_dict(state)
+        self.manager.load_state_dict(state["manager"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and torchft's step count: what a live checkpoint holds."""
+        return {**self._state_dict(), "manager": self.manager.state_dict()}
+
+    def start_step(self) -> Quorum:
+        """Join this step's quorum (healing from a peer first when behind) and return it; its step is the one
+        torchft says is next (`manager.current_step()`, the committed steps so far)."""
         self.manager.start_quorum()
         rank = self.manager.participating_rank()
         assert rank is not None, "a synchronous quorum always makes this replica a participant"
-        return live_share(self.manager.current_step(), global_batch, micro_batch, self.manager.num_participants(), rank)
+        return Quorum(self.manager.current_step(), self.manager.num_participants(), rank)
 
     def train_step(
         self,
@@ -137,11 +161,14 @@ class LiveReplica:
         micro_batches: Iterator[dict[str, torch.Tensor]],
         loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
         fault: Callable[[], None] = lambda: None,
+        max_grad_norm: float | None = None,
     ) -> tuple[bool, float]:
         """Forward/backward of `share`'s micro-batches (the per-sample losses times `share.loss_scale`), the
-        gradients averaged over the participants, and the optimizer step if and only if every replica commits.
-        Returns (committed, this replica's summed per-sample loss). `fault` is called between the backward and
-        the gradient all-reduce (tests kill a replica there)."""
+        gradients averaged over the participants, clipping to `max_grad_norm` (the norm of the averaged gradient,
+        the same on every replica), and the optimizer step if and only if every replica commits. Returns
+        (committed, the step's mean per-sample loss over all its samples, averaged with the gradients). `fault`
+        is called between the backward and the gradient all-reduce (tests kill a replica there). A loss that is
+        not finite steps nothing and returns (committed, nan-or-inf): the caller decides what follows."""
         self.optimizer.zero_grad(set_to_none=False)
         for p in self.model.parameters():
             if p.grad is None:
@@ -152,13 +179,22 @@ class LiveReplica:
             (losses.sum() * share.loss_scale).backward()
             local += float(losses.detach().sum())
         fault()
-        works = [self.manager.allreduce(p.grad) for p in self.model.parameters() if p.grad is not None]
+        loss = torch.tensor([local * share.loss_scale], dtype=torch.float64)  # averaged over P: sum / B
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        works = [self.manager.allreduce(t) for t in (*grads, loss)]
         for work in works:
             work.wait()
+        if self.manager.errored() is not None:
+            # A peer died mid-collective. Close this replica's connections at once: a survivor still waiting on
+            # this one (a ring passes through every replica) then fails now instead of at the collective timeout.
+            self._pg.abort()
         committed = self.manager.should_commit()
-        if committed:
+        mean = float(loss)
+        if committed and math.isfinite(mean):
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
             self.optimizer.step()
-        return committed, local
+        return committed, mean
 
     def shutdown(self) -> None:
         """Leave the quorum and stop torchft's background threads."""

@@ -1,0 +1,329 @@
+"""The driver of a live run (`ClusterConfig(recovery="live")`): a torchft lighthouse, one Ray actor per replica,
+a replacement for every replica lost, and the fallback to a restart when live mode cannot go on.
+
+    lighthouse (driver process)         forms each step's quorum of the replicas alive
+    LiveLog actor (driver's node)       writes metrics, samples, events, checkpoints (rank 0 of each step sends)
+    LiveWorker actors, one per replica  train; a lost one is replaced, the others never stop
+
+What the driver does when a replica is lost (its actor dies: a SIGKILL, an OOM kill, its node gone): nothing to
+the others. Their collective of that step fails, the step is not committed, and the next quorum (the lighthouse
+drops the dead replica after its heartbeat timeout) redoes the step with the same samples split over the
+survivors. The driver starts a replacement, which heals from a peer (model, optimizer, step) and takes part from
+the next quorum on. Ray Train's controller is not involved: it would restart every worker.
+
+The fallback: when fewer than `min_workers` replicas are alive and no replacement could be placed within
+`REPLACE_PATIENCE_S` (the node is gone, the cluster is full), the driver says why in one line, stops the
+replicas left, and starts a new group from the newest live checkpoint once `min_workers` replicas can be placed:
+the restart path, with the work since that checkpoint lost. Growth needs nothing special: a replica that could
+not be placed (up to `max_workers`) waits for room and joins live when a node arrives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raytrain.console import say
+from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
+from raytrain.live.worker import LiveOutcome, LiveSettings, LiveWorker
+from raytrain.worker_loop import WorkerJob
+
+HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse drops a replica silent this long: the survivors' pause after a kill
+JOIN_TIMEOUT_MS = 500  # a quorum waits this long for replicas that are up but not yet asking
+START_TIMEOUT_S = 60.0  # min_workers replicas must be placed and built within this (Ray Train's default)
+REPLACE_PATIENCE_S = 30.0  # below min_workers, wait this long for a replacement before falling back
+
+
+@dataclass
+class _Replica:
+    """A replica's actor and where it stands: `ready` (its pid and node) until built, then `running`."""
+
+    index: int
+    generation: int
+    actor: Any
+    ready: Any
+    started: float
+    running: Any = None
+    pid: int | None = None
+    node: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"r{self.index}" if self.generation == 0 else f"r{self.index}.{self.generation}"
+
+
+@dataclass
+class LiveResult:
+    """What a live run did: every replica's outcome (the survivors'; a lost replica has none), the replicas
+    lost (name, pid, step, time), the fallbacks to a restart, and the newest live checkpoint."""
+
+    outcomes: list[LiveOutcome]
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+    checkpoint: str | None = None
+
+
+class LiveRun:
+    """One live run (see the module docstring). `fit` blocks until the run's last step; `kill_replica` SIGKILLs a
+    replica's process (the demo's and the benchmark's kill events)."""
+
+    def __init__(self, job: WorkerJob, run_dir: str) -> None:
+        self.job, self.run_dir = job, run_dir
+        cluster = job.spec.cluster
+        self.min, self.max = cluster.min_workers, cluster.max_workers
+        self.replicas: dict[int, _Replica] = {}
+        self.result = LiveResult([])
+        self._lighthouse: Any = None
+        self._log: Any = None
+        self.total_steps = 0  # the run's length, as the replicas compute it
+        self._generations: dict[int, int] = {}  # replicas started per index: names r1, r1.1, r1.2, ...
+
+    # -- the actors ---------------------------------------------------------------------------------------------
+
+    def _start_replica(self, index: int, restore: Any) -> None:
+        import ray
+
+        from raytrain.trainer import worker_env
+
+        resources = dict(self.job.spec.cluster.resources_per_worker)
+        cpus = resources.pop("CPU", 1.0)
+        generation = self._generations.get(index, 0)
+        self._generations[index] = generation + 1
+        replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
+        settings = LiveSettings(lighthouse=self._lighthouse.address(), replica_id=replica_id)
+        actor = (
+            ray.remote(LiveWorker)
+            .options(
+                num_cpus=cpus,
+                resources=resources,
+                max_restarts=0,
+                runtime_env={"env_vars": {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}},
+            )
+            .remote(self.job, settings, self._log, restore)
+        )
+        ready = actor.whoami.remote()  # type: ignore[attr-defined]  # a Ray actor handle
+        self.replicas[index] = _Replica(index, generation, actor, ready, time.monotonic())
+
+    def _stop_all(self) -> None:
+        import ray
+
+        for replica in self.replicas.values():
+            ray.kill(replica.actor, no_restart=True)
+        self.replicas.clear()
+
+    def kill_replica(self) -> str:
+        """SIGKILL the process of the running replica with the highest index (as the OOM killer or a lost node
+        would); returns what was done."""
+        import ray
+
+        running = [r for r in self.replicas.values() if r.running is not None and r.pid is not None]
+        if not running:
+            return "no running replica to kill"
+        target = max(running, key=lambda r: r.index)
+        assert target.pid is not None
+        if target.node == ray.get_runtime_context().get_node_id():
+            os.kill(target.pid, signal.SIGKILL)
+        else:
+            ray.kill(target.actor, no_restart=True)
+        return f"SIGKILL live replica {target.name} (pid {target.pid})"
+
+    # -- the run ------------------------------------------------------------------------------------------------
+
+    def fit(self, tick: Callable[[], None] = lambda: None) -> LiveResult:
+        """Run to the last step; `tick` is called about every 0.2 s from this thread (the demo applies its events
+        there). Raises what a replica's code raised (once: a bug is never retried), `RuntimeError` after
+        `max_failures` fallbacks, `TimeoutError` when `min_workers` replicas cannot be placed at a start."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        spec = self.job.spec
+        self._log = (
+            ray.remote(LiveLog)
+            .options(
+                num_cpus=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+            )
+            .remote(
+                self.run_dir,
+                audit=spec.loop.audit_samples,
+                log_every=spec.loop.log_every,
+                keep=spec.checkpoint.keep,
+                config=spec.to_dict(),
+            )
+        )
+        try:
+            while True:
+                reason = self._run_group(tick)
+                if reason is None:
+                    break
+                self.result.restarts += 1
+                limit = spec.cluster.max_failures
+                if 0 <= limit < self.result.restarts:
+                    raise RuntimeError(f"live run fell back to a restart {self.result.restarts} times: {reason}")
+        finally:
+            self._stop_all()
+            if self._lighthouse is not None:
+                self._lighthouse.shutdown()
+            ray.get(self._log.close.remote())
+        newest = live_checkpoints(self.run_dir)
+        self.result.checkpoint = newest[-1][1] if newest else None
+        return self.result
+
+    def _restore(self) -> tuple[int, Any]:
+        """The newest live checkpoint of the run directory (step, object ref of its state), or (0, None)."""
+        import ray
+
+        newest = live_checkpoints(self.run_dir)
+        if not newest:
+            return 0, None
+        state, tensors = load_live_checkpoint(newest[-1][1])
+        return state.step, ray.put(tensors)
+
+    def _begin(self, restored: int) -> None:
+        import ray
+
+        from raytrain.batch_plan import plan_batch
+
+        spec = self.job.spec
+        ready = [r for r in self.replicas.values() if r.running is not None]
+        plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, len(ready))
+        event = {
+            "step": restored,
+            "world_size": len(ready),
+            "layout": {"dp": len(ready), "tp": 1, "pp": 1},
+            "plan": plan.to_dict(),
+            "lr": spec.lr.peak_lr(spec.batch.global_batch),
+            "strategy": "ddp",
+            "recovery": "live",
+            "restored": restored > 0,
+            "pids": [r.pid for r in sorted(ready, key=lambda r: r.index)],
+            "entered": time.time(),
+        }
+        ray.get(self._log.begin.remote(restored, event, self.total_steps))
+
+    def _note(self, message: str, record: dict[str, Any] | None = None) -> None:
+        self._log.note.remote(f"live: {message}")
+        if record is not None:
+            self._log.membership.remote(record)
+
+    def _run_group(self, tick: Callable[[], None]) -> str | None:
+        """One group of replicas from the newest checkpoint to the end (None), or until live mode cannot go on
+        (the reason: the caller restarts)."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+        from torchft.coordination import LighthouseServer
+
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+        self._lighthouse = LighthouseServer(
+            bind="[::]:0",
+            min_replicas=self.min,
+            join_timeout_ms=JOIN_TIMEOUT_MS,
+            quorum_tick_ms=50,
+            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        )
+        restored, restore = self._restore()
+        for index in range(self.max):
+            self._start_replica(index, restore)
+        refs = {r.ready: r for r in self.replicas.values()}
+        ready, _ = ray.wait(list(refs), num_returns=self.min, timeout=START_TIMEOUT_S)
+        if len(ready) < self.min:
+            placed = len(ready)
+            self._stop_all()
+            raise TimeoutError(
+                f"live mode: only {placed} of min_workers={self.min} replicas could be placed and built within "
+                f"{START_TIMEOUT_S:.0f} s (resources_per_worker={self.job.spec.cluster.resources_per_worker})"
+            )
+        ready += ray.wait([ref for ref in refs if ref not in ready], num_returns=len(refs) - len(ready), timeout=1.0)[0]
+        for ref in ready:
+            self._launch(refs[ref], ref)
+        self._begin(restored)
+        finished = False
+        below_since: float | None = None
+        while True:
+            tick()
+            waiting = {r.ready: r for r in self.replicas.values() if r.running is None}
+            running = {r.running: r for r in self.replicas.values() if r.running is not None}
+            if not running and (finished or not waiting):
+                return None
+            done, _ = ray.wait([*waiting, *running], num_returns=1, timeout=0.2)
+            for ref in done:
+                if ref in waiting:
+                    if finished:
+                        ray.kill(waiting[ref].actor, no_restart=True)
+                        del self.replicas[waiting[ref].index]
+                    else:
+                        self._launch(waiting[ref], ref, joined=True)
+                    continue
+                replica = running[ref]
+                try:
+                    self.result.outcomes.append(ray.get(ref))
+                    finished = True
+                    del self.replicas[replica.index]
+                except RayActorError:
+                    self._lost(replica, replace=not finished)
+                except RayTaskError as err:
+                    self._stop_all()
+                    raise err.as_instanceof_cause() from None
+            alive = sum(1 for r in self.replicas.values() if r.running is not None)
+            if alive == 0 and not finished:  # nobody to heal from: a replacement would start from scratch
+                return self._fall_back(0, "every replica is lost")
+            if alive >= self.min or finished:
+                below_since = None
+            elif below_since is None:
+                below_since = time.monotonic()
+            elif time.monotonic() - below_since > REPLACE_PATIENCE_S:
+                return self._fall_back(
+                    alive,
+                    f"{alive} replica(s) alive, below min_workers={self.min}, and no replacement could be placed "
+                    f"within {REPLACE_PATIENCE_S:.0f} s",
+                )
+
+    def _fall_back(self, alive: int, why: str) -> str:
+        """Stop the replicas left and say why, once: the caller restarts from the newest live checkpoint."""
+        newest = live_checkpoints(self.run_dir)
+        reason = f"live: {why}: falling back to the restart path from " + (
+            f"live checkpoint step {newest[-1][0]}" if newest else "the start (no checkpoint yet)"
+        )
+        say(reason)
+        self._log.note.remote(reason)
+        self._log.membership.remote({"kind": "fallback", "alive": alive, "reason": reason})
+        self._stop_all()
+        return reason
+
+    def _launch(self, replica: _Replica, ready_ref: Any, joined: bool = False) -> None:
+        """A built replica starts training (a replacement heals from a peer at its first quorum)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            replica.pid, replica.node, self.total_steps = ray.get(ready_ref)
+        except RayActorError:  # died while being built
+            self._lost(replica, replace=True)
+            return
+        replica.running = replica.actor.run.remote()
+        if joined:
+            self._note(
+                f"replica {replica.name} (pid {replica.pid}) joined; it heals from a peer and takes part from the "
+                "next step",
+                {"kind": "joined", "replica": replica.name, "pid": replica.pid},
+            )
+
+    def _lost(self, replica: _Replica, replace: bool) -> None:
+        import ray
+
+        del self.replicas[replica.index]
+        step = ray.get(self._log.last_step.remote())
+        self.result.lost.append({"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time()})
+        others = sum(1 for r in self.replicas.values() if r.running is not None)
+        self._note(
+            f"replica {replica.name} (pid {replica.pid}) lost after step {step}; {others} go on with the same "
+            "global batch, no restart" + ("; starting a replacement" if replace else ""),
+            {"kind": "lost", "replica": replica.name, "pid": replica.pid, "step": step},
+        )
+        if replace:
+            self._start_replica(replica.index, None)

@@ -1,0 +1,115 @@
+"""The one writer of a live run's files: a Ray actor on the driver's node that takes the step records and the
+checkpoints which the rank-0 participant of each step sends, and writes them to the run directory in the restart
+path's formats (metrics.jsonl, samples.jsonl, events.jsonl, raytrain.log; `raytrain.rank0.Rank0Log`).
+
+Rank 0 of a live step changes when replicas come and go, so no worker owns the files: a step is written once
+(the first record of a step wins; a replica that healed never sends an older one), and the participant count
+is logged each time it changes. Live checkpoints are `live-checkpoint-<step>/` directories holding the model,
+optimizer and torchft step count (`state.pt`) and the data position (`train_state.json`); each is written to a
+temporary name and renamed, so a crash mid-write leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from raytrain.checkpoint import TrainState
+from raytrain.rank0 import Rank0Log, resize_line
+
+CHECKPOINT_PREFIX = "live-checkpoint-"
+LIVE_EVENTS_FILE = "live.jsonl"  # membership of the live replicas: joined, lost, fallback (one JSON line each)
+
+
+def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, directory) of the run's complete live checkpoints, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
+            found.append((int(name[len(CHECKPOINT_PREFIX) :]), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def load_live_checkpoint(directory: str) -> tuple[TrainState, dict[str, Any]]:
+    """A live checkpoint's train state and its state dict (model, optim, manager)."""
+    with open(os.path.join(directory, "train_state.json")) as f:
+        state = TrainState.from_json(json.load(f))
+    return state, torch.load(os.path.join(directory, "state.pt"), weights_only=True, map_location="cpu")
+
+
+class LiveLog:
+    """The run's rank-0 files (see the module docstring). Methods are called by the replicas (`step`,
+    `checkpoint`) and the driver (`begin`, `note`, `membership`, `last_step`)."""
+
+    def __init__(self, run_dir: str, *, audit: bool, log_every: int, keep: int, config: dict[str, Any]) -> None:
+        self.run_dir, self.keep, self.config = run_dir, keep, config
+        self.log = Rank0Log(0, run_dir, audit=audit, log_every=log_every)
+        self.last = 0
+        self.plan: dict[str, Any] | None = None
+        self.lr: float | None = None
+
+    def begin(self, restored_step: int, event: dict[str, Any], total_steps: int) -> None:
+        """A (re)start of the live group: trim what came after `restored_step`, append `event` to events.jsonl."""
+        self.last, self.plan = restored_step, event["plan"]
+        self.lr = event["lr"]
+        self.log.total_steps = total_steps
+        self.log.start(restored_step=restored_step, event=event)
+
+    def note(self, message: str) -> None:
+        """One line in the run's log (printed by the driver's log tail)."""
+        self.log.print(message)
+
+    def membership(self, record: dict[str, Any]) -> None:
+        """One line of live.jsonl: a replica joined or was lost, or the run fell back to a restart."""
+        with open(os.path.join(self.run_dir, LIVE_EVENTS_FILE), "a") as f:
+            f.write(json.dumps({**record, "time": time.time()}) + "\n")
+
+    def step(self, metrics: dict[str, Any], ids: list[int] | None) -> None:
+        """A committed step from its rank-0 participant; written once, in order."""
+        if metrics["step"] <= self.last:
+            return
+        self.last = metrics["step"]
+        plan = {
+            "world_size": metrics["world_size"],
+            "accumulation_steps": metrics["accumulation_steps"],
+            "per_rank_samples": metrics["per_rank_samples"],
+            "global_batch": metrics["global_batch_size"],
+        }
+        if self.plan is not None and plan["world_size"] != self.plan["world_size"]:
+            line = resize_line(self.plan, plan, metrics["lr"], self.lr)
+            self.log.print(f"live: step {metrics['step']}: {line} (no restart)")
+        self.plan, self.lr = plan, metrics["lr"]
+        self.log.step(metrics, ids)
+
+    def checkpoint(self, step: int, epoch: int, sample_in_epoch: int, state: dict[str, Any]) -> None:
+        """Write the live checkpoint of `step` (the data position of the NEXT step: epoch, sample_in_epoch) and
+        keep the newest `keep`."""
+        final = os.path.join(self.run_dir, f"{CHECKPOINT_PREFIX}{step:08d}")
+        if os.path.exists(final):
+            return
+        partial = final + ".partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+        torch.save(state, os.path.join(partial, "state.pt"))
+        train_state = TrainState(step=step, epoch=epoch, sample_in_epoch=sample_in_epoch, config=self.config)
+        with open(os.path.join(partial, "train_state.json"), "w") as f:
+            json.dump(asdict(train_state), f)
+        os.rename(partial, final)
+        for _, old in live_checkpoints(self.run_dir)[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def last_step(self) -> int:
+        """The newest committed step written."""
+        return self.last
+
+    def close(self) -> None:
+        """Close the files (end of the run)."""
+        self.log.close()

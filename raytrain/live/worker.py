@@ -1,0 +1,220 @@
+"""One live replica: a Ray actor that trains the run's steps as a torchft replica group until the run ends.
+
+The data position is a function of the step number only: step s is at sample (s mod S)·B of epoch s div S, with
+S the steps per epoch (`raytrain.data.materialized.steps_per_epoch`), in deterministic mode's order
+(`epoch_order(N, seed, epoch)`). A replacement that healed to step s therefore knows its data position without
+any bookkeeping of its own, and every replica agrees on it. The participants of a step split its samples with
+`live_share`; the participant of rank 0 sends the step's record (and each checkpoint) to the run's `LiveLog`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
+from raytrain.errors import NonFiniteError
+from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
+from raytrain.worker_loop import WorkerJob, build_model, seed_step
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """How a live replica talks to the others: the lighthouse's address, its own replica id, and torchft's
+    timeouts (`timeout_s` bounds a collective with a dead peer, `quorum_timeout_s` a quorum that cannot form)."""
+
+    lighthouse: str
+    replica_id: str
+    timeout_s: float = 10.0
+    quorum_timeout_s: float = 60.0
+
+
+@dataclass
+class LiveOutcome:
+    """What one replica did: its pid, the steps it took part in (committed or not), and the steps it saw fail."""
+
+    replica_id: str
+    pid: int
+    first_step: int | None = None
+    last_step: int | None = None
+    committed: int = 0
+    failed_steps: list[int] = field(default_factory=list)
+
+
+def step_position(step: int, num_rows: int, global_batch: int, drop_last: bool) -> tuple[int, int]:
+    """Pure: (epoch, sample_in_epoch) of optimizer step `step` (0-based) when every epoch has the same number of
+    steps (a step never spans two epochs)."""
+    per_epoch = steps_per_epoch(num_rows, global_batch, drop_last)
+    return step // per_epoch, (step % per_epoch) * global_batch
+
+
+class LiveWorker:
+    """A live replica's process. Built by the driver as a Ray actor; `run` trains until the run's last step and
+    returns a `LiveOutcome`. `restore` (a live checkpoint's state) is loaded before the first quorum."""
+
+    def __init__(self, job: WorkerJob, settings: LiveSettings, log: Any, restore: dict[str, Any] | None) -> None:
+        from datetime import timedelta
+
+        from raytrain.data.materialized import IndexedData
+        from raytrain.live.replica import LiveReplica
+        from raytrain.ports import free_port
+
+        assert isinstance(job.data, IndexedData), "live mode trains on deterministic mode's IndexedData"
+        self.job, self.settings, self.log = job, settings, log
+        spec = job.spec
+        self.model = build_model(job)
+        if job.meta_init:  # as the restart path's ddp does: materialize, then initialise from (seed, module)
+            from raytrain.model_init import init_weights
+
+            self.model.to_empty(device="cpu")
+            init_weights(self.model, spec.loop.seed)
+        self.global_batch = spec.batch.global_batch
+        self.peak_lr = spec.lr.peak_lr(self.global_batch)
+        self.optimizer = call_optimizer_fn(job.optimizer_fn, self.model, self.peak_lr)
+        self.ratios = lr_ratios(self.optimizer, self.peak_lr)
+        self.replica = LiveReplica(
+            self.model,
+            self.optimizer,
+            lighthouse=settings.lighthouse,
+            replica_id=settings.replica_id,
+            store_port=free_port(),
+            timeout=timedelta(seconds=settings.timeout_s),
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+        )
+        if restore is not None:
+            self.replica.restore(restore)
+        data = job.data
+        self.ids = data.ids
+        self.num_rows = data.num_rows
+        self.columns = data.load_columns()
+        self.total_steps = run_total_steps(
+            num_rows=self.num_rows,
+            global_batch=self.global_batch,
+            drop_last=spec.batch.drop_last,
+            epochs=spec.loop.epochs,
+            max_steps=spec.loop.max_steps,
+            step=0,
+            epoch=0,
+            sample_in_epoch=0,
+        )
+        self._orders: dict[int, np.ndarray] = {}
+
+    def whoami(self) -> tuple[int, str, int]:
+        """This replica's process id and Ray node id (the driver records them; a kill event targets them), and the
+        run's length in optimizer steps (the data size, epochs and max_steps give it)."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id(), self.total_steps
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders = {epoch: epoch_order(self.num_rows, self.job.spec.loop.seed, epoch)}
+        return self._orders[epoch]
+
+    def lr_at(self, step: int) -> float:
+        """The LR of step `step`: the peak for the global batch (its rule, never the replica count) times the
+        schedule, as in the restart path's loop."""
+        spec = self.job.spec
+        total = spec.lr.decay_steps or self.total_steps
+        if self.job.lr_schedule_fn is not None:
+            return self.peak_lr * float(self.job.lr_schedule_fn(step, total))
+        return self.peak_lr * spec.lr.factor(step, total)
+
+    def run(self) -> LiveOutcome:
+        """Train steps until the run's last one; every quorum may have other participants."""
+        from raytrain.live.replica import live_share
+
+        spec = self.job.spec
+        outcome = LiveOutcome(self.settings.replica_id, os.getpid())
+        try:
+            while True:
+                quorum = self.replica.start_step()
+                step = quorum.step
+                if step >= self.total_steps:
+                    break
+                epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
+                positions = step_positions(self._order(epoch), sample_in_epoch, self.global_batch)
+                share = live_share(step, len(positions), spec.batch.micro_batch, quorum.participants, quorum.rank)
+                mine = positions[share.offset : share.offset + share.count]
+                cuts = np.cumsum((0, *share.micro_batches))
+                micro = (
+                    to_tensors({k: v[mine[a:b]] for k, v in self.columns.items()}, "cpu")
+                    for a, b in itertools.pairwise(cuts)
+                )
+                lr = self.lr_at(step)
+                set_lr(self.optimizer, self.ratios, lr)
+                seed_step(spec.loop.seed, step, quorum.rank)
+                started = time.perf_counter()
+                committed, loss = self.replica.train_step(
+                    share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm
+                )
+                outcome.first_step = step if outcome.first_step is None else outcome.first_step
+                outcome.last_step = step
+                if not committed:
+                    outcome.failed_steps.append(step)
+                    continue
+                outcome.committed += 1
+                if not math.isfinite(loss) and spec.loop.on_nonfinite == "stop":
+                    raise NonFiniteError(
+                        f"step {step + 1}: the loss ({loss:.4g}) is not finite; stopped before the update "
+                        "(LoopConfig(on_nonfinite='skip') skips such steps instead)"
+                    )
+                if quorum.rank == 0:
+                    self._record(step, epoch, sample_in_epoch, share, positions, lr, loss, started)
+        finally:
+            self.replica.shutdown()
+        return outcome
+
+    def _record(
+        self,
+        step: int,
+        epoch: int,
+        sample_in_epoch: int,
+        share: Any,
+        positions: np.ndarray,
+        lr: float,
+        loss: float,
+        started: float,
+    ) -> None:
+        """Rank 0 of the step's quorum: the metrics line (and sample ids), and every `every_steps` a checkpoint,
+        both written by the run's `LiveLog` (fire and forget: the state is copied when the call is made)."""
+        spec = self.job.spec
+        done = step + 1
+        metrics: dict[str, Any] = {
+            "step": done,
+            "epoch": epoch,
+            "world_size": share.participants,
+            "accumulation_steps": share.plan.accumulation_steps,
+            "per_rank_samples": list(share.plan.per_rank_samples),
+            "global_batch_size": len(positions),
+            "lr": lr,
+            "loss": loss,
+            "step_time_s": time.perf_counter() - started,
+            "time": time.time(),
+        }
+        ids = self.ids[positions] if spec.loop.audit_samples else None
+        self.log.step.remote(metrics, None if ids is None else [int(i) for i in ids])
+        last = done == self.total_steps
+        if done % spec.checkpoint.every_steps == 0 or last:
+            next_epoch, next_sample = epoch, sample_in_epoch + len(positions)
+            self.log.checkpoint.remote(
+                done, next_epoch, next_sample, {k: _cpu(v) for k, v in self.replica.state_dict().items()}
+            )
+
+
+def _cpu(value: Any) -> Any:
+    """A state dict detached from the training tensors (the copy a fire-and-forget call ships)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu(v) for v in value]
+    return value
