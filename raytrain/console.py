@@ -46,6 +46,8 @@ def quiet_ray_logging() -> None:
     if not verbose():
         for name in ("ray", "ray.data", "ray.train"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        # "Progress bars disabled" (a warning) each time the driver executes a dataset: raytrain disabled them
+        logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
 def init_ray(**kwargs: Any) -> None:

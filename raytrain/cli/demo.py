@@ -523,23 +523,26 @@ def autoscale_summary(
 def live_summary(metrics: list[dict[str, Any]], applied: list[AppliedEvent], result: Any) -> dict[str, Any]:
     """A live run's recoveries, from its metrics and the `raytrain.live.driver.LiveResult`: for each event, the
     seconds from the event to the first step committed after it (`pause_s`, the same measure as a restart's
-    `recovery_s`) and the world that committed it (filled into `applied` too); the steps whose attempt failed and
-    was redone (`steps_retrained`); every replica that ran to the end, with its pid and first step."""
+    `recovery_s`) and the world that committed it (filled into `applied` too); the steps trained again
+    (`steps_retrained`: attempts that failed and were redone, and the steps between a fallback's checkpoint and
+    the step it had reached); every replica that ran to the end, with its pid and first step."""
     for event in applied:
         after = [m for m in metrics if m["time"] > event.time and m["step"] > event.applied_step]
         if after:
             event.recovered_time, event.recovered_world_size = after[0]["time"], after[0]["world_size"]
     failed = sorted({step for outcome in result.outcomes for step in outcome.failed_steps})
+    rolled_back = sum(max(0, f["at_step"] - f["restored_step"]) for f in result.fallbacks)
     return {
         "pause_s": [None if e.recovery_s is None else round(e.recovery_s, 3) for e in applied],
-        "steps_retrained": len(failed),
+        "steps_retrained": len(failed) + rolled_back,
         "failed_steps": failed,
         "lost": result.lost,
         "finished": [
             {"replica": o.replica_id, "pid": o.pid, "first_step": o.first_step, "committed": o.committed}
-            for o in result.outcomes
+            for o in sorted(result.outcomes, key=lambda o: o.replica_id)
         ],
         "restarts": result.restarts,
+        "fallbacks": result.fallbacks,
     }
 
 

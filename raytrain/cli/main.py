@@ -371,8 +371,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for event in summary["events"]:
         if live is not None:
             recovered = (
-                f"the next step committed at world {event['recovered_world_size']} {event['recovery_s']:.2f} s "
-                "later, no restart"
+                f"the next step committed at world {event['recovered_world_size']} {event['recovery_s']:.2f} s later"
                 if event["recovered_time"]
                 else "no step committed after it"
             )
@@ -387,7 +386,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if live is not None:
         finished = ", ".join(f"{r['replica']} (pid {r['pid']}, from step {r['first_step']})" for r in live["finished"])
         lines.append(
-            f"live            {len(live['lost'])} replica(s) lost, {live['steps_retrained']} step attempt(s) redone, "
+            f"live            {len(live['lost'])} replica(s) lost, {live['steps_retrained']} step(s) trained again, "
             f"{live['restarts']} fallback restart(s); ran to the end: {finished}"
         )
     for note in summary["skipped_events"]:

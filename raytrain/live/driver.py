@@ -27,7 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.console import say
 from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
 from raytrain.live.worker import LiveOutcome, LiveSettings, LiveWorker
 from raytrain.worker_loop import WorkerJob
@@ -59,12 +58,18 @@ class _Replica:
 @dataclass
 class LiveResult:
     """What a live run did: every replica's outcome (the survivors'; a lost replica has none), the replicas
-    lost (name, pid, step, time), the fallbacks to a restart, and the newest live checkpoint."""
+    lost (name, pid, step, time), the fallbacks to a restart (why, the step reached, the checkpoint step restored),
+    and the newest live checkpoint."""
 
     outcomes: list[LiveOutcome]
     lost: list[dict[str, Any]] = field(default_factory=list)
-    restarts: int = 0
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)  # reason, at_step, restored_step
     checkpoint: str | None = None
+
+    @property
+    def restarts(self) -> int:
+        """Fallbacks to a restart (the replicas that survive a loss never restart)."""
+        return len(self.fallbacks)
 
 
 class LiveRun:
@@ -160,7 +165,6 @@ class LiveRun:
                 reason = self._run_group(tick)
                 if reason is None:
                     break
-                self.result.restarts += 1
                 limit = spec.cluster.max_failures
                 if 0 <= limit < self.result.restarts:
                     raise RuntimeError(f"live run fell back to a restart {self.result.restarts} times: {reason}")
@@ -241,6 +245,8 @@ class LiveRun:
         ready += ray.wait([ref for ref in refs if ref not in ready], num_returns=len(refs) - len(ready), timeout=1.0)[0]
         for ref in ready:
             self._launch(refs[ref], ref)
+        if not any(r.running is not None for r in self.replicas.values()):
+            return self._fall_back(0, "no replica could be started")
         self._begin(restored)
         finished = False
         below_since: float | None = None
@@ -285,11 +291,15 @@ class LiveRun:
 
     def _fall_back(self, alive: int, why: str) -> str:
         """Stop the replicas left and say why, once: the caller restarts from the newest live checkpoint."""
+        import ray
+
         newest = live_checkpoints(self.run_dir)
+        restored = newest[-1][0] if newest else 0
         reason = f"live: {why}: falling back to the restart path from " + (
-            f"live checkpoint step {newest[-1][0]}" if newest else "the start (no checkpoint yet)"
+            f"live checkpoint step {restored}" if newest else "the start (no checkpoint yet)"
         )
-        say(reason)
+        at = ray.get(self._log.last_step.remote())
+        self.result.fallbacks.append({"reason": reason, "at_step": at, "restored_step": restored})
         self._log.note.remote(reason)
         self._log.membership.remote({"kind": "fallback", "alive": alive, "reason": reason})
         self._stop_all()
@@ -302,7 +312,9 @@ class LiveRun:
 
         try:
             replica.pid, replica.node, self.total_steps = ray.get(ready_ref)
-        except RayActorError:  # died while being built
+        except RayActorError as err:  # died while being built: say why (the user's functions were checked)
+            cause = str(err).strip().splitlines()
+            self._note(f"replica {replica.name} failed while starting: {cause[-1] if cause else type(err).__name__}")
             self._lost(replica, replace=True)
             return
         replica.running = replica.actor.run.remote()
@@ -319,11 +331,16 @@ class LiveRun:
         del self.replicas[replica.index]
         step = ray.get(self._log.last_step.remote())
         self.result.lost.append({"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time()})
+        who = f"replica {replica.name} (pid {replica.pid})" if replica.pid else f"replica {replica.name} (starting)"
         others = sum(1 for r in self.replicas.values() if r.running is not None)
+        going_on = (
+            f"{others} go on with the same global batch, no restart" + ("; starting a replacement" if replace else "")
+            if others
+            else "no replica left to go on"
+        )
         self._note(
-            f"replica {replica.name} (pid {replica.pid}) lost after step {step}; {others} go on with the same "
-            "global batch, no restart" + ("; starting a replacement" if replace else ""),
+            f"{who} lost after step {step}; {going_on}",
             {"kind": "lost", "replica": replica.name, "pid": replica.pid, "step": step},
         )
-        if replace:
+        if replace and others:  # with none left there is no peer to heal from: the run falls back instead
             self._start_replica(replica.index, None)

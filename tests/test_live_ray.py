@@ -1,0 +1,70 @@
+"""Live recovery under Ray (`raytrain demo --recovery live`, `ClusterConfig(recovery="live")`), end to end: real
+Ray (a fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
+
+Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
+every step trains exactly the global batch; the audit is clean; the loss equals the fixed-size live run's step by
+step. A kill of the only replica: live mode cannot go on, falls back to a restart from its newest live checkpoint
+(one line says why), and the curve is still the fixed-size one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray_helpers import assert_same_curve, check_invariants, demo, losses, read_jsonl
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+STEPS = 40
+LIVE = ("--recovery", "live", "--steps", str(STEPS), "--sample-time", "0.01", "--checkpoint-every", "5")
+
+
+@pytest.fixture(scope="module")
+def live_fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference: 3 live replicas on 3 fake nodes, no event."""
+    summary = demo(
+        tmp_path_factory.mktemp("live-fixed"), "fixed", *LIVE, "--nodes", "3", "--workers", "3", "--events", "none"
+    )
+    assert summary["live"]["lost"] == [] and summary["restarts"] == 0
+    return summary
+
+
+def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
+    tmp_path: Path, live_fixed: dict[str, Any]
+) -> None:
+    summary = demo(tmp_path, "kills", *LIVE, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
+    check_invariants(summary, STEPS)
+    assert_same_curve(summary, losses(live_fixed))
+    live = summary["live"]
+    assert summary["restarts"] == 0 and live["restarts"] == 0
+    assert len(live["lost"]) == 2 and len(summary["events"]) == 2
+    lost = {item["replica"] for item in live["lost"]}
+    originals = {"r0", "r1", "r2"}
+    survivors = [r for r in live["finished"] if r["replica"] in originals - lost]
+    assert survivors, live  # at least one replica was never killed
+    first = read_jsonl(str(Path(summary["run_dir"]) / "events.jsonl"))[0]
+    for replica in survivors:  # ran from step 0 to the end in the process it started in
+        assert replica["first_step"] == 0 and replica["pid"] in first["pids"], (replica, first["pids"])
+    assert all(r["replica"] not in lost for r in live["finished"])  # a killed replica never comes back as itself
+    assert min(summary["world_sizes"]) < 3  # the kills were felt...
+    for event in summary["events"]:  # ...and a step was committed after each, without a restart
+        assert event["recovered_time"] is not None and event["restored_step"] is None
+    assert live["steps_retrained"] <= 2  # at most the step each kill interrupted
+    log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
+    assert log.count("lost after step") == 2 and "no restart" in log
+
+
+def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(
+    tmp_path: Path, live_fixed: dict[str, Any]
+) -> None:
+    summary = demo(tmp_path, "fallback", *LIVE, "--nodes", "1", "--workers", "1", "--events", "kill@12")
+    check_invariants(summary, STEPS)
+    assert_same_curve(summary, losses(live_fixed))
+    live = summary["live"]
+    assert live["restarts"] == 1 and summary["restarts"] == 1
+    (fallback,) = live["fallbacks"]
+    assert fallback["restored_step"] % 5 == 0 and fallback["restored_step"] <= fallback["at_step"]
+    assert "every replica is lost: falling back to the restart path from live checkpoint step" in summary["stderr"]
+    assert live["steps_retrained"] == fallback["at_step"] - fallback["restored_step"]
