@@ -10,6 +10,9 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
     add             a node is added, training must go on at W+1
     drain           a node is drained with an 8 s deadline (a spot notice), then removed at the deadline;
                     seconds counted from the removal
+    live            `--recovery live`, the kill run's cluster, two kills: seconds from each kill to the next
+                    committed step (`live_kill_pause_s`: the longer one), steps trained again, and against the
+                    same run without events: survivors' pids, the batch, the audit, the loss (issue 17)
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
                     the start; `autoscale_grow_s` from fit() to the first step at 3 workers (nodes launched for
                     the trainer's demand), `replace_s` from a node reclaimed by the provider (no notice) to the
@@ -26,8 +29,8 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
 Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
 the next group: failure detection, teardown, placement, worker start, process group), raytrain's start (model
 build + wrap, checkpoint load, data), and the first step. Prints tables, then one JSON line with the headline
-figures and whether each goal of issue 13 is met. Ray settings: raytrain's defaults
-(`raytrain.trainer.RAY_ENV_DEFAULTS`), resize monitor interval 1 s.
+figures and whether each goal of issues 13 and 17 is met; `--live-only` runs the kill and the live runs only.
+Ray settings: raytrain's defaults (`raytrain.trainer.RAY_ENV_DEFAULTS`), resize monitor interval 1 s.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ AUTOSCALE_RUN = [
     "8",
 ]
 FIXED_RUN = ["--nodes", "3", "--workers", "3", "--events", "none", "--steps", "60", "--sample-time", "0.01"]
+# Live recovery: the same cluster and workers as the restart path's kill, two kills far enough apart for the first
+# replacement to join (it builds in seconds on this machine), and the same run without events as the reference.
+LIVE_RUN = ["--nodes", "3", "--workers", "2:3", "--steps", "70", "--sample-time", "0.01", "--checkpoint-every", "4"]
+LIVE_RUN += ["--recovery", "live", "--audit-samples"]
+LIVE_EVENTS = "kill@10,kill@45"
 MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
 
 
@@ -101,6 +109,32 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
         "phases_s": start["phases_s"],
         "first_step_s": event["recovered_time"] - start["time"],
         "detail": event["detail"],
+    }
+
+
+def live(storage: str) -> dict[str, Any]:
+    """`raytrain demo --recovery live` with two kills beside the same run without events: each kill's pause (from
+    the kill to the next committed step, the measure of a restart's `recovery_s`), the steps trained again, and
+    the done-when checks: survivors' pids, the batch of every step, the audit, the loss against the fixed run."""
+    killed = demo("live", storage, [*LIVE_RUN, "--events", LIVE_EVENTS])
+    fixed = demo("live_fixed", storage, [*LIVE_RUN, "--events", "none"])
+    curves = [[m["loss"] for m in read_jsonl(os.path.join(s["run_dir"], "metrics.jsonl"))] for s in (killed, fixed)]
+    first = read_jsonl(os.path.join(killed["run_dir"], "events.jsonl"))[0]
+    info = killed["live"]
+    lost = {item["replica"] for item in info["lost"]}
+    survivors = [r for r in info["finished"] if "." not in r["replica"] and r["replica"] not in lost]
+    return {
+        "world_sizes": killed["world_sizes"],
+        "pause_s": info["pause_s"],
+        "steps_retrained": info["steps_retrained"],
+        "restarts": info["restarts"],
+        "survivors": survivors,
+        "survivor_pids_unchanged": bool(survivors)
+        and all(r["first_step"] == 0 and r["pid"] in first["pids"] for r in survivors),
+        "batch_exact": killed["global_batch_sizes"] == [24] and len(curves[0]) == len(curves[1]),
+        "audit_clean": all(c == {"duplicates": 0, "missing": 0} for c in killed["audit"].values()),
+        "loss_max_diff": max(abs(a - b) for a, b in zip(*curves, strict=True)),
+        "wall_s": (killed["wall_s"], fixed["wall_s"]),
     }
 
 
@@ -206,10 +240,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
     parser.add_argument("--quick", action="store_true", help="one checkpoint-cost pair instead of three")
+    parser.add_argument(
+        "--live-only", action="store_true", help="only the restart path's kill and live recovery, side by side"
+    )
     args = parser.parse_args()
     storage = args.storage or tempfile.mkdtemp(prefix="raytrain-recovery-")
     print(machine_line(), flush=True)
+    if args.live_only:
+        return live_only(storage)
     rows = {name: recovery(name, storage) for name in SCENARIOS}
+    live_row = live(storage)
     bare = bare_ray_train(storage)
     auto = autoscale(storage)
     costs = checkpoint_overhead(storage, 1 if args.quick else 3)
@@ -290,6 +330,7 @@ def main() -> int:
         "autoscale_extra_nodes": auto["extra_nodes"],
         "checkpoint_overhead_fraction": round(costs["fraction"]["background"], 4),
         "checkpoint_overhead_fraction_sync": round(costs["fraction"]["sync"], 4),
+        **live_headline(live_row),
     }
     headline["goals_met"] = {
         "drain_steps_retrained": headline["drain_steps_retrained"] == 0,
@@ -297,7 +338,66 @@ def main() -> int:
         "node_loss_s": headline["node_loss_s"] <= headline["bare_sigkill_s"] + 5,
         "node_add_s": headline["node_add_s"] <= MONITOR_INTERVAL_S + headline["bare_start_s"] + 3,
         "checkpoint_overhead_fraction": headline["checkpoint_overhead_fraction"] <= 0.05,
+        **live_goals(headline),
     }
+    print(live_table(live_row, rows["kill"]))
+    print_headline(headline)
+    return 0
+
+
+def live_headline(row: dict[str, Any]) -> dict[str, Any]:
+    """The live run's headline keys (issue 17)."""
+    return {
+        "live_kill_pause_s": max(row["pause_s"]),  # the longer of the two kills' pauses
+        "live_steps_retrained": row["steps_retrained"],
+        "live_restarts": row["restarts"],
+        "live_survivor_pids_unchanged": row["survivor_pids_unchanged"],
+        "live_batch_exact": row["batch_exact"],
+        "live_audit_clean": row["audit_clean"],
+        "live_loss_max_diff": row["loss_max_diff"],
+    }
+
+
+def live_goals(headline: dict[str, Any]) -> dict[str, bool]:
+    """Issue 17's done-when, from the headline of the same run."""
+    return {
+        "live_kill_pause_s": headline["live_kill_pause_s"] <= headline["sigkill_s"] / 3,
+        "live_survivors": headline["live_survivor_pids_unchanged"] and headline["live_restarts"] == 0,
+        "live_exact": headline["live_batch_exact"] and headline["live_audit_clean"],
+        "live_loss": headline["live_loss_max_diff"] <= 1e-4,
+    }
+
+
+def live_table(row: dict[str, Any], kill: dict[str, Any]) -> str:
+    """The restart path's kill beside live recovery's two kills."""
+    return table(
+        ["SIGKILL of a worker", "world", "seconds to the next step", "steps trained again", "survivors"],
+        [
+            [
+                "restart path",
+                " -> ".join(str(w) for w in kill["world_sizes"]),
+                f"{kill['recovery_s']:.2f}",
+                kill["steps_lost"],
+                "restarted",
+            ],
+            [
+                "live, 2 kills",
+                " -> ".join(str(w) for w in row["world_sizes"]),
+                ", ".join(f"{p:.2f}" for p in row["pause_s"]),
+                row["steps_retrained"],
+                ", ".join(f"{r['replica']} pid {r['pid']}" for r in row["survivors"]) + " (never restarted)",
+            ],
+        ],
+    )
+
+
+def live_only(storage: str) -> int:
+    """`--live-only`: the restart path's kill and the live runs, their table and headline."""
+    kill = recovery("kill", storage)
+    row = live(storage)
+    print(live_table(row, kill))
+    headline = {"sigkill_s": round(kill["recovery_s"], 2), **live_headline(row)}
+    headline["goals_met"] = live_goals(headline)
     print_headline(headline)
     return 0
 

@@ -1,0 +1,143 @@
+"""Live mode's pure parts and its file writer, without Ray: the share of a step, the data position of a step, the
+config rules, the demo's flags, and `LiveLog` (metrics once per step, the resize line, live checkpoints)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raytrain.cli.demo import DemoOptions
+from raytrain.config import (
+    BatchConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    LoopConfig,
+    LRConfig,
+    ParallelConfig,
+    TrainSpec,
+)
+from raytrain.data.materialized import epoch_order, step_positions
+from raytrain.errors import ConfigError
+from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
+from raytrain.live.replica import live_share
+from raytrain.live.worker import step_position
+
+
+@pytest.mark.parametrize("participants", [1, 2, 3, 5, 7])
+def test_the_participants_split_the_step_contiguously_and_exactly(participants: int) -> None:
+    shares = [live_share(4, 96, 16, participants, rank) for rank in range(participants)]
+    assert sum(s.count for s in shares) == 96
+    assert [s.offset for s in shares] == list(np.cumsum([0] + [s.count for s in shares[:-1]]))
+    for share in shares:
+        assert sum(share.micro_batches) == share.count and max(share.micro_batches) <= 16
+        assert share.loss_scale == participants / 96  # x the mean over P the gradient is the mean over B
+    with pytest.raises(ValueError, match=r"rank must be in \[0, participants=2\), got 2"):
+        live_share(0, 96, 16, 2, 2)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_steps_data_position_is_the_restart_paths(drop_last: bool) -> None:
+    """The live worker's position of step s (from the step number alone) is where the restart path's loop puts
+    step s (it advances (epoch, sample_in_epoch) by each step's samples and starts a new epoch when no step is
+    left): epochs of the same number of steps, the last one short without drop_last."""
+    rows, batch = 50, 12  # 4 full steps and a partial one of 2 samples per epoch
+    per_epoch = 4 if drop_last else 5
+    epoch, sample = 0, 0
+    for step in range(3 * per_epoch):
+        assert step_position(step, rows, batch, drop_last) == (epoch, sample)
+        taken = len(step_positions(epoch_order(rows, 0, epoch), sample, batch))
+        sample += taken
+        if sample + (batch if drop_last else 1) > rows:
+            epoch, sample = epoch + 1, 0
+
+
+def _spec(**changes: object) -> TrainSpec:
+    parts: dict[str, object] = {
+        "batch": BatchConfig(global_batch=24, micro_batch=4),
+        "lr": LRConfig(base_lr=0.1),
+        "loop": LoopConfig(),
+        "checkpoint": CheckpointConfig(storage_path="/tmp/x", run_name="r"),
+        "cluster": ClusterConfig(min_workers=1, max_workers=2, recovery="live"),
+    }
+    parts.update(changes)
+    return TrainSpec(**parts)  # type: ignore[arg-type]
+
+
+def test_live_mode_takes_data_parallel_fp32_deterministic_runs_only() -> None:
+    _spec()  # ddp (the default), fp32, deterministic: accepted
+    _spec(loop=LoopConfig(strategy="auto"))
+    with pytest.raises(ConfigError, match=r"recovery must be one of restart, live, got 'lively'"):
+        ClusterConfig(recovery="lively")
+    cases = {
+        "loop.strategy must be 'ddp' or 'auto'": {"loop": LoopConfig(strategy="zero2")},
+        "loop.deterministic must be True": {"loop": LoopConfig(deterministic=False, id_column="id")},
+        "parallel.precision must be 'fp32', got 'bf16'": {"parallel": ParallelConfig(precision="bf16")},
+        "parallel tp and pp must be 1, got tp=2": {
+            "parallel": ParallelConfig(tp=2),
+            "cluster": ClusterConfig(min_workers=2, max_workers=2, recovery="live"),
+        },
+        "cluster.use_gpu must be False": {
+            "cluster": ClusterConfig(min_workers=1, max_workers=2, use_gpu=True, recovery="live")
+        },
+    }
+    for message, changes in cases.items():
+        with pytest.raises(ConfigError, match=r'ClusterConfig\(recovery="live"\) runs data-parallel') as err:
+            _spec(**changes)
+        assert message in str(err.value) and 'or use recovery="restart"' in str(err.value)
+
+
+def test_demo_refuses_live_with_what_live_mode_does_not_run() -> None:
+    DemoOptions(recovery="live", events="kill@5")
+    with pytest.raises(ConfigError, match=r"--recovery live cannot run with --strategy 'zero1' \(live mode runs ddp\)"):
+        DemoOptions(recovery="live", strategy="zero1")
+    with pytest.raises(ConfigError, match=r"--tp 2 \(live mode runs 1\)"):
+        DemoOptions(recovery="live", tp=2, slots_per_node=2, min_workers=2, max_workers=2)
+
+
+def _metrics(step: int, world: int, loss: float = 1.0) -> dict[str, object]:
+    per_rank = [24 // world] * world
+    return {
+        "step": step,
+        "epoch": 0,
+        "world_size": world,
+        "accumulation_steps": 24 // world // 4,
+        "per_rank_samples": per_rank,
+        "global_batch_size": 24,
+        "lr": 0.1,
+        "loss": loss,
+        "step_time_s": 0.01,
+        "time": 0.0,
+    }
+
+
+def test_live_log_writes_each_step_once_and_names_each_change_of_participants(tmp_path: Path) -> None:
+    log = LiveLog(str(tmp_path), audit=True, log_every=100, keep=2, config={})
+    plan = {"world_size": 3, "accumulation_steps": 2, "per_rank_samples": [8, 8, 8], "global_batch": 24}
+    log.begin(0, {"world_size": 3, "plan": plan, "lr": 0.1, "strategy": "ddp"}, total_steps=10)
+    log.step(_metrics(1, 3), list(range(24)))
+    log.step(_metrics(1, 3, loss=9.0), list(range(24)))  # a second record of step 1 (after a heal): ignored
+    log.step(_metrics(2, 2), list(range(24, 48)))
+    log.close()
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[0]["loss"] == 1.0
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [len(s["ids"]) for s in samples] == [24, 24]
+    text = (tmp_path / "raytrain.log").read_text()
+    assert "live: step 2: world 3 -> 2: accumulation 2 -> 3, samples/rank [8,8,8] -> [12,12], global batch 24 " in text
+    assert "(no restart)" in text
+
+
+def test_live_checkpoints_are_whole_or_absent_and_the_newest_are_kept(tmp_path: Path) -> None:
+    log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={"k": 1})
+    for step in (5, 10, 15):
+        state = {"model": {"w": torch.full((2,), float(step))}, "optim": {}, "manager": {"step": step}}
+        log.checkpoint(step, 0, step * 24, state)
+    (tmp_path / "live-checkpoint-00000020.partial").mkdir()  # a write cut short: never listed
+    assert [step for step, _ in live_checkpoints(str(tmp_path))] == [10, 15]
+    state, tensors = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
+    assert (state.step, state.epoch, state.sample_in_epoch, state.config) == (15, 0, 360, {"k": 1})
+    assert torch.equal(tensors["model"]["w"], torch.full((2,), 15.0)) and tensors["manager"] == {"step": 15}
