@@ -108,6 +108,25 @@ def check_resumable(storage: RunStorage) -> None:
         )
 
 
+def check_recovery_mode(storage: RunStorage, run_dir: str, recovery: str) -> None:
+    """`ConfigError` before anything starts when the run directory holds checkpoints of the other recovery mode
+    only: restart-path checkpoints (`checkpoint_*`, Ray Train's) and live ones (`live-checkpoint-*`) are not read
+    by the other mode, so the run would silently start over."""
+    from raytrain.checkpoint_files import checkpoint_dirs
+    from raytrain.live.log import live_checkpoints
+
+    restart = checkpoint_dirs(storage.path, storage.fs)
+    live = live_checkpoints(run_dir) if storage.is_local else []
+    mine, other = (live, restart) if recovery == "live" else (restart, live)
+    if other and not mine:
+        was = "restart" if recovery == "live" else "live"
+        raise ConfigError(
+            f'ClusterConfig(recovery="{recovery}"): {run_dir} holds checkpoints of recovery="{was}" only (newest at '
+            f'step {other[-1][0]}), which this mode does not resume from; use recovery="{was}" to resume, or a new '
+            "run_name to start over"
+        )
+
+
 def check_ray_address() -> None:
     """When RAY_ADDRESS names a cluster, check within seconds that it answers (`ray.init` would retry for
     minutes); `ConfigError` naming the address otherwise. No-op without RAY_ADDRESS."""
@@ -299,6 +318,10 @@ class ElasticTrainer:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
         self.live_run: Any = None  # the `raytrain.live.driver.LiveRun` of a live fit, while and after it runs
+        if self.spec.cluster.recovery == "live":
+            from raytrain.live import require_torchft
+
+            require_torchft()
         self.units_fn = units_fn
         self.tp_plan_fn = tp_plan_fn
         check_trackers(list(trackers))
@@ -440,6 +463,7 @@ class ElasticTrainer:
 
         spec = self.spec
         check_resumable(storage)
+        check_recovery_mode(storage, run_dir, spec.cluster.recovery)
         self.check_user_functions()
         connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
         train = self.datasets["train"]
@@ -555,16 +579,6 @@ class ElasticTrainer:
                 f'ClusterConfig(recovery="live") writes its run directory from the driver\'s node: storage_path must '
                 f"be a local or shared directory, got {storage.uri!r}"
             )
-        from raytrain.console import verbose
-
-        if not verbose():
-            os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its lighthouse logs every quorum
-        try:
-            import torchft  # noqa: F401
-        except ImportError as err:
-            raise ConfigError(
-                'ClusterConfig(recovery="live") needs torchft: pip install "raytrain[live]" (torchft >= 0.2)'
-            ) from err
         say(
             f"live recovery: {job.spec.cluster.max_workers} replica(s) as torchft replica groups (min "
             f"{job.spec.cluster.min_workers}); a lost replica is replaced while the others go on"

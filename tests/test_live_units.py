@@ -141,3 +141,29 @@ def test_live_checkpoints_are_whole_or_absent_and_the_newest_are_kept(tmp_path: 
     state, tensors = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
     assert (state.step, state.epoch, state.sample_in_epoch, state.config) == (15, 0, 360, {"k": 1})
     assert torch.equal(tensors["model"]["w"], torch.full((2,), 15.0)) and tensors["manager"] == {"step": 15}
+
+
+def test_a_run_directory_of_the_other_recovery_mode_is_refused_not_started_over(tmp_path: Path) -> None:
+    import pyarrow.fs as pafs
+
+    from raytrain.storage import RunStorage
+    from raytrain.trainer import check_recovery_mode
+
+    storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
+    for mode in ("restart", "live"):
+        check_recovery_mode(storage, str(tmp_path), mode)  # a new run: either mode
+    LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={}).checkpoint(
+        5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}}
+    )
+    check_recovery_mode(storage, str(tmp_path), "live")
+    with pytest.raises(
+        ConfigError, match=r'recovery="restart"\): .* holds checkpoints of recovery="live" only \(newest'
+    ):
+        check_recovery_mode(storage, str(tmp_path), "restart")
+    other = tmp_path / "restart-run"
+    (other / "checkpoint_2026-12-01_10-00-00.000000").mkdir(parents=True)
+    (other / "checkpoint_2026-12-01_10-00-00.000000" / "raytrain_state.json").write_text('{"step": 7}')
+    restart = RunStorage(pafs.LocalFileSystem(), str(other), str(other))
+    check_recovery_mode(restart, str(other), "restart")
+    with pytest.raises(ConfigError, match=r"only \(newest at step 7\), which this mode does not resume from"):
+        check_recovery_mode(restart, str(other), "live")

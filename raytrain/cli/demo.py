@@ -136,6 +136,9 @@ class DemoOptions:
             ]
             if live_problems:
                 raise ConfigError("--recovery live cannot run with " + ", ".join(live_problems))
+            from raytrain.live import require_torchft
+
+            require_torchft()
         LoopConfig(strategy=self.strategy, seed=self.seed)
         check_whole_replicas(self.min_workers, self.max_workers, self.global_batch, self.tp, self.pp)
         kinds = {event.kind for event in parse_events(self.events)}

@@ -6,3 +6,23 @@ with the same global batch and go on without restarting; a replacement joins wit
     log.py       the one writer of the run's files and live checkpoints (an actor on the driver's node)
     driver.py    the lighthouse, the replicas, replacements, and the fallback to a restart
 """
+
+from raytrain.errors import ConfigError
+
+
+def require_torchft() -> None:
+    """`ConfigError` saying how to install torchft (the `live` extra) unless it imports; call before any worker
+    starts. Quiets torchft's native logging first unless RAYTRAIN_VERBOSE=1 (its lighthouse logs every quorum)."""
+    import os
+
+    from raytrain.console import verbose
+
+    if not verbose():
+        os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(
+            'ClusterConfig(recovery="live") needs torchft: pip install "raytrain[live]" (torchft >= 0.2; from a '
+            "checkout: pip install -e '.[live]')"
+        ) from err
