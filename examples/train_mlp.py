@@ -1,6 +1,7 @@
 """Train a small MLP regressor on Parquet files with raytrain's ElasticTrainer (CPU workers, gloo).
 
     python examples/train_mlp.py [--workers 2] [--steps N] [--storage DIR] [--strategy ddp|zero1|zero2|zero3|auto]
+    python examples/train_mlp.py --recovery live     # pip install -e '.[live]': a lost worker is replaced live
 
 With RAY_ADDRESS set it joins that cluster; otherwise it starts a local Ray instance. The run goes to
 <storage>/<run-name> (default ./raytrain_runs/mlp): metrics.jsonl (one line per optimizer step), samples.jsonl
@@ -104,6 +105,13 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="ddp or ZeRO stage (default ddp)")
     parser.add_argument("--rows", type=int, default=4000, help="samples in the synthetic data set")
     parser.add_argument("--global-batch", type=int, default=128, help="samples per optimizer step, all workers")
+    parser.add_argument(
+        "--recovery",
+        default="restart",
+        choices=["restart", "live"],
+        help="restart: Ray Train restarts the group from the latest checkpoint after a failure (default); live: "
+        "each worker is a torchft replica group, the others finish the step with the same batch and go on",
+    )
     args = parser.parse_args()
 
     import ray
@@ -142,8 +150,15 @@ def main() -> None:
     # ranks report the same number of times; rank 0 adds the data position and the batch plan.
     checkpoint = CheckpointConfig(storage_path=args.storage, run_name=args.run_name, every_steps=20, keep=2)
     # min_workers < max_workers makes the run elastic: Ray Train starts with as many workers as fit and
-    # restarts the group from the latest checkpoint whenever that number changes.
-    cluster = ClusterConfig(min_workers=args.min_workers or args.workers, max_workers=args.workers, max_failures=3)
+    # restarts the group from the latest checkpoint whenever that number changes. With recovery="live" nothing
+    # restarts when a worker dies: the others train the same step's global batch among themselves and go on, a
+    # replacement copies the weights from a peer (data parallel, CPU, deterministic mode; see the README).
+    cluster = ClusterConfig(
+        min_workers=args.min_workers or args.workers,
+        max_workers=args.workers,
+        max_failures=3,
+        recovery=args.recovery,
+    )
 
     trainer = ElasticTrainer(
         model_fn=partial(build_mlp, FEATURES, 64),

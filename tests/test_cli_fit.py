@@ -35,6 +35,25 @@ def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_names_the_recovery_mode_and_refuses_live_with_what_it_does_not_run(tmp_path: Path) -> None:
+    text = (
+        Path(EXAMPLE)
+        .read_text()
+        .replace('[entry]\nmodel = "fit_entry.py', f'[entry]\nmodel = "{REPO}/examples/fit_entry.py')
+    )
+    for name in ("loss", "optimizer", "datasets", "tp_plan"):
+        text = text.replace(f'{name} = "fit_entry.py', f'{name} = "{REPO}/examples/fit_entry.py')
+    job = write(tmp_path, text.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
+    result = run_cli("fit", job, "--dry-run", "--storage", str(tmp_path / "runs"))
+    assert result.returncode == 0, result.stderr
+    assert "recovery: live (2 torchft replica groups, min 1; a lost worker's peers finish its step" in result.stdout
+    plain = run_cli("fit", EXAMPLE, "--dry-run", "--storage", str(tmp_path / "runs"))
+    assert "recovery: restart (Ray Train restarts the worker group" in plain.stdout
+    zero = run_cli("fit", job, "--dry-run", "--strategy", "zero2", "--storage", str(tmp_path / "runs"))
+    assert zero.returncode == 2
+    assert "loop.strategy must be 'ddp' or 'auto' (each replica holds the whole model), got 'zero2'" in zero.stderr
+
+
 def test_dry_run_with_tp_or_pp_shows_the_layouts_and_checks_the_plan(tmp_path: Path) -> None:
     result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:4", "--tp", "2", "--storage", str(tmp_path / "r"))
     assert result.returncode == 0, result.stderr

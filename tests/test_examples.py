@@ -62,6 +62,21 @@ def test_train_mlp_example(tmp_path: Path) -> None:
     assert mean_loss(lines[-3:]) < 0.7 * mean_loss(lines[:3]), [m["loss"] for m in lines]
 
 
+def test_train_mlp_example_with_live_recovery_matches_the_restart_paths_curve(tmp_path: Path) -> None:
+    """`--recovery live`: the same data (a Ray dataset, deterministic mode), the same order and updates as the
+    restart path's run, so the same loss curve; the run's files in the same formats, its checkpoints its own."""
+    run_example("train_mlp.py", tmp_path / "restart")
+    completed = run_example("train_mlp.py", tmp_path / "live", "--recovery", "live")
+    restart = check_metrics(tmp_path / "restart" / "mlp" / "metrics.jsonl")
+    live = check_metrics(tmp_path / "live" / "mlp" / "metrics.jsonl")
+    assert {m["global_batch_size"] for m in live} == {128} and {m["world_size"] for m in live} <= {1, 2}
+    for a, b in zip(live, restart, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-12)
+    assert "live-checkpoint-" in completed.stdout  # the result names the newest live checkpoint
+    assert sorted(p.name for p in (tmp_path / "live" / "mlp").glob("live-checkpoint-*")) == ["live-checkpoint-00000012"]
+
+
 def test_train_char_lm_example(tmp_path: Path) -> None:
     steps = 20
     completed = run_example("train_char_lm.py", tmp_path, "--sample", "20", steps=steps)

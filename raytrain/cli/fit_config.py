@@ -205,4 +205,12 @@ def describe_plan(job: FitJob) -> str:
     lines.append(f"peak per worker at {what}, k={k} (AdamW, without activations): " + ", ".join(peaks))
     decided = " (chosen on the workers from their memory at every start)" if spec.loop.strategy == "auto" else ""
     lines.append(f"strategy: {spec.loop.strategy}{decided}")
+    if spec.cluster.recovery == "live":
+        lines.append(
+            f"recovery: live ({spec.cluster.max_workers} torchft replica groups, min {spec.cluster.min_workers}; "
+            "a lost worker's peers finish its step with the same global batch and go on, a replacement heals from a "
+            "peer)"
+        )
+    else:
+        lines.append("recovery: restart (Ray Train restarts the worker group from the latest checkpoint)")
     return "\n".join(lines)
