@@ -117,13 +117,14 @@ def _metrics(step: int, world: int, loss: float = 1.0) -> dict[str, object]:
 def test_live_log_writes_each_step_once_and_names_each_change_of_participants(tmp_path: Path) -> None:
     log = LiveLog(str(tmp_path), audit=True, log_every=100, keep=2, config={})
     plan = {"world_size": 3, "accumulation_steps": 2, "per_rank_samples": [8, 8, 8], "global_batch": 24}
-    log.begin(0, {"world_size": 3, "plan": plan, "lr": 0.1, "strategy": "ddp"}, total_steps=10)
-    log.step(_metrics(1, 3), list(range(24)))
-    log.step(_metrics(1, 3, loss=9.0), list(range(24)))  # a second record of step 1 (after a heal): ignored
-    log.step(_metrics(2, 2), list(range(24, 48)))
+    log.begin(1, 0, {"world_size": 3, "plan": plan, "lr": 0.1, "strategy": "ddp"}, total_steps=10)
+    log.step(1, _metrics(1, 3), list(range(24)))
+    log.step(1, _metrics(1, 3, loss=9.0), list(range(24)))  # a second record of step 1 (after a heal): ignored
+    log.step(0, _metrics(2, 3, loss=7.0), list(range(24)))  # from a group stopped by a fallback: ignored
+    log.step(1, _metrics(2, 2), list(range(24, 48)))
     log.close()
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and metrics[0]["loss"] == 1.0
+    assert [m["step"] for m in metrics] == [1, 2] and [m["loss"] for m in metrics] == [1.0, 1.0]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [len(s["ids"]) for s in samples] == [24, 24]
     text = (tmp_path / "raytrain.log").read_text()
@@ -135,7 +136,7 @@ def test_live_checkpoints_are_whole_or_absent_and_the_newest_are_kept(tmp_path: 
     log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={"k": 1})
     for step in (5, 10, 15):
         state = {"model": {"w": torch.full((2,), float(step))}, "optim": {}, "manager": {"step": step}}
-        log.checkpoint(step, 0, step * 24, state)
+        log.checkpoint(0, step, 0, step * 24, state)
     (tmp_path / "live-checkpoint-00000020.partial").mkdir()  # a write cut short: never listed
     assert [step for step, _ in live_checkpoints(str(tmp_path))] == [10, 15]
     state, tensors = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
@@ -153,7 +154,7 @@ def test_a_run_directory_of_the_other_recovery_mode_is_refused_not_started_over(
     for mode in ("restart", "live"):
         check_recovery_mode(storage, str(tmp_path), mode)  # a new run: either mode
     LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={}).checkpoint(
-        5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}}
+        0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}}
     )
     check_recovery_mode(storage, str(tmp_path), "live")
     with pytest.raises(

@@ -85,6 +85,7 @@ class LiveRun:
         self._lighthouse: Any = None
         self._log: Any = None
         self.total_steps = 0  # the run's length, as the replicas compute it
+        self._group = 0  # groups of replicas started: 1 at the start, one more per fallback
         self._generations: dict[int, int] = {}  # replicas started per index: names r1, r1.1, r1.2, ...
 
     # -- the actors ---------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class LiveRun:
         generation = self._generations.get(index, 0)
         self._generations[index] = generation + 1
         replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
-        settings = LiveSettings(lighthouse=self._lighthouse.address(), replica_id=replica_id)
+        settings = LiveSettings(lighthouse=self._lighthouse.address(), replica_id=replica_id, group=self._group)
         actor = (
             ray.remote(LiveWorker)
             .options(
@@ -207,7 +208,7 @@ class LiveRun:
             "pids": [r.pid for r in sorted(ready, key=lambda r: r.index)],
             "entered": time.time(),
         }
-        ray.get(self._log.begin.remote(restored, event, self.total_steps))
+        ray.get(self._log.begin.remote(self._group, restored, event, self.total_steps))
 
     def _note(self, message: str, record: dict[str, Any] | None = None) -> None:
         self._log.note.remote(f"live: {message}")
@@ -221,6 +222,7 @@ class LiveRun:
         from ray.exceptions import RayActorError, RayTaskError
         from torchft.coordination import LighthouseServer
 
+        self._group += 1
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
         self._lighthouse = LighthouseServer(

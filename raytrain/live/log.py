@@ -53,11 +53,15 @@ class LiveLog:
         self.run_dir, self.keep, self.config = run_dir, keep, config
         self.log = Rank0Log(0, run_dir, audit=audit, log_every=log_every)
         self.last = 0
+        self.group = 0
         self.plan: dict[str, Any] | None = None
         self.lr: float | None = None
 
-    def begin(self, restored_step: int, event: dict[str, Any], total_steps: int) -> None:
-        """A (re)start of the live group: trim what came after `restored_step`, append `event` to events.jsonl."""
+    def begin(self, group: int, restored_step: int, event: dict[str, Any], total_steps: int) -> None:
+        """Group `group`'s (re)start of the live run: trim what came after `restored_step`, append `event` to
+        events.jsonl. From now on records of earlier groups (sent by replicas before the fallback stopped them)
+        are ignored."""
+        self.group = group
         self.last, self.plan = restored_step, event["plan"]
         self.lr = event["lr"]
         self.log.total_steps = total_steps
@@ -72,9 +76,9 @@ class LiveLog:
         with open(os.path.join(self.run_dir, LIVE_EVENTS_FILE), "a") as f:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
-    def step(self, metrics: dict[str, Any], ids: list[int] | None) -> None:
-        """A committed step from its rank-0 participant; written once, in order."""
-        if metrics["step"] <= self.last:
+    def step(self, group: int, metrics: dict[str, Any], ids: list[int] | None) -> None:
+        """A committed step from its rank-0 participant in group `group`; written once, in order."""
+        if group != self.group or metrics["step"] <= self.last:
             return
         self.last = metrics["step"]
         plan = {
@@ -89,11 +93,11 @@ class LiveLog:
         self.plan, self.lr = plan, metrics["lr"]
         self.log.step(metrics, ids)
 
-    def checkpoint(self, step: int, epoch: int, sample_in_epoch: int, state: dict[str, Any]) -> None:
-        """Write the live checkpoint of `step` (the data position of the NEXT step: epoch, sample_in_epoch) and
-        keep the newest `keep`."""
+    def checkpoint(self, group: int, step: int, epoch: int, sample_in_epoch: int, state: dict[str, Any]) -> None:
+        """Write group `group`'s live checkpoint of `step` (the data position of the NEXT step: epoch,
+        sample_in_epoch) and keep the newest `keep`."""
         final = os.path.join(self.run_dir, f"{CHECKPOINT_PREFIX}{step:08d}")
-        if os.path.exists(final):
+        if group != self.group or os.path.exists(final):
             return
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)

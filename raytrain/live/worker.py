@@ -32,6 +32,7 @@ class LiveSettings:
 
     lighthouse: str
     replica_id: str
+    group: int = 0  # the driver's group of replicas (a fallback starts the next): the log ignores older groups
     timeout_s: float = 10.0
     quorum_timeout_s: float = 60.0
 
@@ -200,12 +201,16 @@ class LiveWorker:
             "time": time.time(),
         }
         ids = self.ids[positions] if spec.loop.audit_samples else None
-        self.log.step.remote(metrics, None if ids is None else [int(i) for i in ids])
+        self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
         last = done == self.total_steps
         if done % spec.checkpoint.every_steps == 0 or last:
             next_epoch, next_sample = epoch, sample_in_epoch + len(positions)
             self.log.checkpoint.remote(
-                done, next_epoch, next_sample, {k: _cpu(v) for k, v in self.replica.state_dict().items()}
+                self.settings.group,
+                done,
+                next_epoch,
+                next_sample,
+                {k: _cpu(v) for k, v in self.replica.state_dict().items()},
             )
 
 
