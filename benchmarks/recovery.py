@@ -119,7 +119,11 @@ def live(storage: str) -> dict[str, Any]:
     killed = demo("live", storage, [*LIVE_RUN, "--events", LIVE_EVENTS])
     fixed = demo("live_fixed", storage, [*LIVE_RUN, "--events", "none"])
     curves = [[m["loss"] for m in read_jsonl(os.path.join(s["run_dir"], "metrics.jsonl"))] for s in (killed, fixed)]
-    first = read_jsonl(os.path.join(killed["run_dir"], "events.jsonl"))[0]
+    launched = {
+        r["replica"]: r["pid"]
+        for r in read_jsonl(os.path.join(killed["run_dir"], "live.jsonl"))
+        if r["kind"] in ("started", "joined")
+    }
     info = killed["live"]
     lost = {item["replica"] for item in info["lost"]}
     survivors = [r for r in info["finished"] if "." not in r["replica"] and r["replica"] not in lost]
@@ -129,8 +133,7 @@ def live(storage: str) -> dict[str, Any]:
         "steps_retrained": info["steps_retrained"],
         "restarts": info["restarts"],
         "survivors": survivors,
-        "survivor_pids_unchanged": bool(survivors)
-        and all(r["first_step"] == 0 and r["pid"] in first["pids"] for r in survivors),
+        "survivor_pids_unchanged": bool(survivors) and all(r["pid"] == launched[r["replica"]] for r in survivors),
         "batch_exact": killed["global_batch_sizes"] == [24] and len(curves[0]) == len(curves[1]),
         "audit_clean": all(c == {"duplicates": 0, "missing": 0} for c in killed["audit"].values()),
         "loss_max_diff": max(abs(a - b) for a, b in zip(*curves, strict=True)),

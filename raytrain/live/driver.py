@@ -320,12 +320,15 @@ class LiveRun:
             self._lost(replica, replace=True)
             return
         replica.running = replica.actor.run.remote()
+        record = {"kind": "joined" if joined else "started", "replica": replica.name, "pid": replica.pid}
         if joined:
             self._note(
                 f"replica {replica.name} (pid {replica.pid}) joined; it heals from a peer and takes part from the "
                 "next step",
-                {"kind": "joined", "replica": replica.name, "pid": replica.pid},
+                record,
             )
+        else:
+            self._log.membership.remote(record)
 
     def _lost(self, replica: _Replica, replace: bool) -> None:
         import ray

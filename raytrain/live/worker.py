@@ -39,7 +39,8 @@ class LiveSettings:
 
 @dataclass
 class LiveOutcome:
-    """What one replica did: its pid, the steps it took part in (committed or not), and the steps it saw fail."""
+    """What one replica did: its pid, the first and last step it took part in (committed or not) and the steps it
+    saw fail; steps numbered from 1, as in metrics.jsonl."""
 
     replica_id: str
     pid: int
@@ -156,10 +157,10 @@ class LiveWorker:
                 committed, loss = self.replica.train_step(
                     share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm
                 )
-                outcome.first_step = step if outcome.first_step is None else outcome.first_step
-                outcome.last_step = step
+                outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step
+                outcome.last_step = step + 1
                 if not committed:
-                    outcome.failed_steps.append(step)
+                    outcome.failed_steps.append(step + 1)
                     continue
                 outcome.committed += 1
                 if not math.isfinite(loss) and spec.loop.on_nonfinite == "stop":
