@@ -351,7 +351,8 @@ def main() -> int:
 def live_headline(row: dict[str, Any]) -> dict[str, Any]:
     """The live run's headline keys (issue 17)."""
     return {
-        "live_kill_pause_s": max(row["pause_s"]),  # the longer of the two kills' pauses
+        # the longer of the two kills' pauses; None when a kill was never followed by a committed step (a miss)
+        "live_kill_pause_s": None if None in row["pause_s"] else max(row["pause_s"]),
         "live_steps_retrained": row["steps_retrained"],
         "live_restarts": row["restarts"],
         "live_survivor_pids_unchanged": row["survivor_pids_unchanged"],
@@ -364,7 +365,8 @@ def live_headline(row: dict[str, Any]) -> dict[str, Any]:
 def live_goals(headline: dict[str, Any]) -> dict[str, bool]:
     """Issue 17's done-when, from the headline of the same run."""
     return {
-        "live_kill_pause_s": headline["live_kill_pause_s"] <= headline["sigkill_s"] / 3,
+        "live_kill_pause_s": headline["live_kill_pause_s"] is not None
+        and headline["live_kill_pause_s"] <= headline["sigkill_s"] / 3,
         "live_survivors": headline["live_survivor_pids_unchanged"] and headline["live_restarts"] == 0,
         "live_exact": headline["live_batch_exact"] and headline["live_audit_clean"],
         "live_loss": headline["live_loss_max_diff"] <= 1e-4,

@@ -442,7 +442,8 @@ class TrainSpec:
 def check_live(spec: TrainSpec) -> None:
     """What `ClusterConfig(recovery="live")` runs, checked before any worker starts; `ConfigError` naming each
     field otherwise: data parallel only (one worker per replica: tp = pp = 1, strategy ddp or auto, which live
-    mode runs as ddp), fp32, CPU workers (gloo), deterministic mode (the step number gives the data position)."""
+    mode runs as ddp), fp32, CPU workers (gloo), deterministic mode (the step number gives the data position), a
+    local or shared storage path."""
     problems = []
     if spec.parallel.degrees != (1, 1):
         problems.append(f"parallel tp and pp must be 1, got tp={spec.parallel.tp}, pp={spec.parallel.pp}")
@@ -456,6 +457,11 @@ def check_live(spec: TrainSpec) -> None:
         problems.append("cluster.use_gpu must be False (live replicas run gloo on CPU; not tried on GPUs)")
     if not spec.loop.deterministic:
         problems.append("loop.deterministic must be True (a replacement finds its data position from the step)")
+    if not spec.checkpoint.is_local:
+        problems.append(
+            f"checkpoint.storage_path must be a local or shared directory (the driver's node writes the live "
+            f"checkpoints), got {spec.checkpoint.storage_path!r}"
+        )
     if problems:
         raise ConfigError(
             'ClusterConfig(recovery="live") runs data-parallel replicas only: '

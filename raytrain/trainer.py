@@ -318,10 +318,6 @@ class ElasticTrainer:
         self.model_fn, self.loss_fn, self.optimizer_fn = model_fn, loss_fn, optimizer_fn
         self.lr_schedule_fn = lr_schedule_fn
         self.live_run: Any = None  # the `raytrain.live.driver.LiveRun` of a live fit, while and after it runs
-        if self.spec.cluster.recovery == "live":
-            from raytrain.live import require_torchft
-
-            require_torchft()
         self.units_fn = units_fn
         self.tp_plan_fn = tp_plan_fn
         check_trackers(list(trackers))
@@ -342,6 +338,24 @@ class ElasticTrainer:
         self.meta_init = False  # decided by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
+        if self.spec.cluster.recovery == "live":
+            self._check_live()
+
+    def _check_live(self) -> None:
+        """What live mode does not run yet, refused at construction; torchft must import."""
+        from raytrain.live import require_torchft
+
+        require_torchft()
+        missing = [
+            what
+            for what, given in (("validation (datasets['val'])", "val" in self.datasets), ("trackers", self.trackers))
+            if given
+        ]
+        if missing:
+            raise ConfigError(
+                f'ClusterConfig(recovery="live") does not run {" or ".join(missing)} yet: leave them out, or use '
+                'recovery="restart"'
+            )
 
     def check_user_functions(self) -> None:
         """Build the model on the meta device and the optimizer over it (shardable for zero1), decide how the
@@ -574,11 +588,6 @@ class ElasticTrainer:
 
         from raytrain.live.driver import LiveRun
 
-        if not storage.is_local:
-            raise ConfigError(
-                f'ClusterConfig(recovery="live") writes its run directory from the driver\'s node: storage_path must '
-                f"be a local or shared directory, got {storage.uri!r}"
-            )
         say(
             f"live recovery: {job.spec.cluster.max_workers} replica(s) as torchft replica groups (min "
             f"{job.spec.cluster.min_workers}); a lost replica is replaced while the others go on"

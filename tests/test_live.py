@@ -88,7 +88,9 @@ def _replica(
             cuts = np.cumsum((0, *share.micro_batches))
             micro = ({k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts))
             die = kill and share.step >= KILL_FROM
-            committed, _ = replica.train_step(share, micro, _loss, fault=(lambda: os._exit(9)) if die else lambda: None)
+            committed = replica.train_step(
+                share, micro, _loss, fault=(lambda: os._exit(9)) if die else lambda: None
+            ).committed
             record = {"pid": os.getpid(), "step": share.step, "participants": share.participants}
             record |= {"rank": share.rank, "ids": [int(i) for i in columns["id"][rows]], "committed": committed}
             log.write(json.dumps(record | {"time": time.time()}) + "\n")

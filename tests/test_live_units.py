@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -121,15 +122,18 @@ def test_live_log_writes_each_step_once_and_names_each_change_of_participants(tm
     log.step(1, _metrics(1, 3), list(range(24)))
     log.step(1, _metrics(1, 3, loss=9.0), list(range(24)))  # a second record of step 1 (after a heal): ignored
     log.step(0, _metrics(2, 3, loss=7.0), list(range(24)))  # from a group stopped by a fallback: ignored
+    log.step(1, _metrics(3, 2), list(range(48, 72)))  # arrives before step 2 (another replica sent it): waits
     log.step(1, _metrics(2, 2), list(range(24, 48)))
+    log.step(1, _metrics(5, 2), list(range(24)))  # step 4 never arrives: never written, named at close
     log.close()
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2] and [m["loss"] for m in metrics] == [1.0, 1.0]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and [m["loss"] for m in metrics] == [1.0, 1.0, 1.0]
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert [len(s["ids"]) for s in samples] == [24, 24]
+    assert [s["ids"][0] for s in samples] == [0, 24, 48]
     text = (tmp_path / "raytrain.log").read_text()
     assert "live: step 2: world 3 -> 2: accumulation 2 -> 3, samples/rank [8,8,8] -> [12,12], global batch 24 " in text
     assert "(no restart)" in text
+    assert "WARNING: steps [5] were recorded but step 4 never was; not written" in text
 
 
 def test_live_checkpoints_are_whole_or_absent_and_the_newest_are_kept(tmp_path: Path) -> None:
@@ -168,3 +172,66 @@ def test_a_run_directory_of_the_other_recovery_mode_is_refused_not_started_over(
     check_recovery_mode(restart, str(other), "restart")
     with pytest.raises(ConfigError, match=r"only \(newest at step 7\), which this mode does not resume from"):
         check_recovery_mode(restart, str(other), "live")
+
+
+def test_resuming_a_live_checkpoint_with_settings_that_move_the_data_position_is_refused(tmp_path: Path) -> None:
+    from raytrain.live.log import check_resumable_with
+
+    config = _spec().to_dict()
+    log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config=config, num_rows=240)
+    log.checkpoint(0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}})
+    state, _ = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
+    check_resumable_with(state, config, 240)  # the same settings: resumes
+    other = _spec(batch=BatchConfig(global_batch=48, micro_batch=4), loop=LoopConfig(seed=3)).to_dict()
+    with pytest.raises(ConfigError, match=r"batch.global_batch 24 -> 48, loop.seed 0 -> 3, training rows 240 -> 200"):
+        check_resumable_with(state, other, 200)
+
+
+def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untouched() -> None:
+    """`LiveReplica.train_step` on one replica (a real torchft Manager and lighthouse, P = 1): an Inf gradient
+    with a finite loss steps nothing; a frozen parameter gets no gradient and no AdamW update."""
+    from torchft.coordination import LighthouseServer
+
+    from raytrain.live.replica import LiveReplica
+    from raytrain.ports import free_port
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1), torch.nn.Flatten(0))
+        model[0].weight.requires_grad_(False)
+        frozen = model[0].weight.detach().clone()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        replica = LiveReplica(
+            model, optimizer, lighthouse=lighthouse.address(), replica_id="u0", store_port=free_port()
+        )
+        batch = {"x": torch.ones(4, 3), "y": torch.zeros(4)}
+
+        def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (m(b["x"]) - b["y"]) ** 2
+
+        quorum = replica.start_step()
+        step = replica.train_step(live_share(quorum.step, 4, 4, 1, 0), iter([batch]), loss)
+        assert step.committed and step.finite and torch.equal(model[0].weight, frozen)
+        assert model[0].weight.grad is None
+        before = [p.detach().clone() for p in model.parameters()]
+
+        class InfiniteBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+                return grad * float("inf")
+
+        def inf_gradient(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
+            return (InfiniteBackward.apply(m(b["x"])) - b["y"]) ** 2  # a finite loss, an infinite gradient
+
+        quorum = replica.start_step()
+        step = replica.train_step(live_share(quorum.step, 4, 4, 1, 0), iter([batch]), inf_gradient)
+        assert step.committed and np.isfinite(step.loss) and not step.finite
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        replica.shutdown()
+    finally:
+        lighthouse.shutdown()

@@ -11,10 +11,13 @@ drops the dead replica after its heartbeat timeout) redoes the step with the sam
 survivors. The driver starts a replacement, which heals from a peer (model, optimizer, step) and takes part from
 the next quorum on. Ray Train's controller is not involved: it would restart every worker.
 
-The fallback: when fewer than `min_workers` replicas are alive and no replacement could be placed within
-`REPLACE_PATIENCE_S` (the node is gone, the cluster is full), the driver says why in one line, stops the
-replicas left, and starts a new group from the newest live checkpoint once `min_workers` replicas can be placed:
-the restart path, with the work since that checkpoint lost. Growth needs nothing special: a replica that could
+The fallback: when no replica is left, or fewer than `min_workers` are alive and no replacement could be placed
+within `REPLACE_PATIENCE_S` (the node is gone, the cluster is full), the driver says why in one line, stops the
+replicas left, and starts a new group from the newest live checkpoint: the restart path, with the work since
+that checkpoint lost. If `min_workers` replicas cannot be placed within `START_TIMEOUT_S` then, the run stops
+with `TimeoutError`. Every replica lost and every fallback counts against `max_failures`; an exception from the
+user's code in a replica stops the run at once (a replica that dies while starting is counted as lost, with its
+cause in the log). Growth needs nothing special: a replica that could
 not be placed (up to `max_workers`) waits for room and joins live when a node arrives.
 """
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
+from raytrain.live.replica import LiveReplicaLost
 from raytrain.live.worker import LiveOutcome, LiveSettings, LiveWorker
 from raytrain.worker_loop import WorkerJob
 
@@ -86,11 +90,14 @@ class LiveRun:
         self._log: Any = None
         self.total_steps = 0  # the run's length, as the replicas compute it
         self._group = 0  # groups of replicas started: 1 at the start, one more per fallback
+        self._failures = 0  # replicas lost and fallbacks, counted against max_failures
         self._generations: dict[int, int] = {}  # replicas started per index: names r1, r1.1, r1.2, ...
 
     # -- the actors ---------------------------------------------------------------------------------------------
 
-    def _start_replica(self, index: int, restore: Any) -> None:
+    def _start_replica(self, index: int, restore: Any, floor: int) -> None:
+        """Start replica `index`'s next actor: from `restore` (a checkpoint's state) at a group's start, else
+        healing from a peer; `floor` is the steps the run has committed (a quorum behind it had no peer)."""
         import ray
 
         from raytrain.trainer import worker_env
@@ -100,7 +107,9 @@ class LiveRun:
         generation = self._generations.get(index, 0)
         self._generations[index] = generation + 1
         replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
-        settings = LiveSettings(lighthouse=self._lighthouse.address(), replica_id=replica_id, group=self._group)
+        settings = LiveSettings(
+            lighthouse=self._lighthouse.address(), replica_id=replica_id, group=self._group, floor=floor
+        )
         actor = (
             ray.remote(LiveWorker)
             .options(
@@ -126,7 +135,8 @@ class LiveRun:
         would); returns what was done."""
         import ray
 
-        running = [r for r in self.replicas.values() if r.running is not None and r.pid is not None]
+        replicas = list(self.replicas.values())  # a snapshot: fit()'s thread changes the dict
+        running = [r for r in replicas if r.running is not None and r.pid is not None]
         if not running:
             return "no running replica to kill"
         target = max(running, key=lambda r: r.index)
@@ -140,9 +150,11 @@ class LiveRun:
     # -- the run ------------------------------------------------------------------------------------------------
 
     def fit(self, tick: Callable[[], None] = lambda: None) -> LiveResult:
-        """Run to the last step; `tick` is called about every 0.2 s from this thread (the demo applies its events
-        there). Raises what a replica's code raised (once: a bug is never retried), `RuntimeError` after
-        `max_failures` fallbacks, `TimeoutError` when `min_workers` replicas cannot be placed at a start."""
+        """Run to the last step; `tick` is called about every 0.2 s from this thread. Raises what the user's code
+        raised in a replica (once: a bug is never retried), `RuntimeError` after more than `max_failures` failures
+        (replicas lost, fallbacks), `TimeoutError` when `min_workers` replicas cannot be placed within
+        `START_TIMEOUT_S` at a (re)start, `ConfigError` when the newest live checkpoint was written with another
+        global batch, seed, drop_last or data size."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -159,16 +171,12 @@ class LiveRun:
                 log_every=spec.loop.log_every,
                 keep=spec.checkpoint.keep,
                 config=spec.to_dict(),
+                num_rows=self._num_rows(),
             )
         )
         try:
-            while True:
-                reason = self._run_group(tick)
-                if reason is None:
-                    break
-                limit = spec.cluster.max_failures
-                if 0 <= limit < self.result.restarts:
-                    raise RuntimeError(f"live run fell back to a restart {self.result.restarts} times: {reason}")
+            while self._run_group(tick) is not None:
+                pass
         finally:
             self._stop_all()
             if self._lighthouse is not None:
@@ -178,23 +186,40 @@ class LiveRun:
         self.result.checkpoint = newest[-1][1] if newest else None
         return self.result
 
+    def _num_rows(self) -> int:
+        return int(getattr(self.job.data, "num_rows", 0))
+
+    def _failed(self, cause: str) -> None:
+        """Count one failure (a replica lost, a fallback) against `max_failures`; `RuntimeError` past it."""
+        self._failures += 1
+        limit = self.job.spec.cluster.max_failures
+        if 0 <= limit < self._failures:
+            raise RuntimeError(
+                f"live run: {self._failures} failures (replicas lost and fallbacks), more than "
+                f"max_failures={limit}; the last: {cause}"
+            )
+
     def _restore(self) -> tuple[int, Any]:
-        """The newest live checkpoint of the run directory (step, object ref of its state), or (0, None)."""
+        """The newest live checkpoint of the run directory (step, object ref of its state), or (0, None);
+        `ConfigError` when it was written with settings that would move the data position."""
         import ray
+
+        from raytrain.live.log import check_resumable_with
 
         newest = live_checkpoints(self.run_dir)
         if not newest:
             return 0, None
         state, tensors = load_live_checkpoint(newest[-1][1])
+        check_resumable_with(state, self.job.spec.to_dict(), self._num_rows())
         return state.step, ray.put(tensors)
 
-    def _begin(self, restored: int) -> None:
+    def _begin(self, restored: int, ready: list[_Replica]) -> None:
+        """The start of a group of `ready` replicas from step `restored`: its line in events.jsonl and the log."""
         import ray
 
         from raytrain.batch_plan import plan_batch
 
         spec = self.job.spec
-        ready = [r for r in self.replicas.values() if r.running is not None]
         plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, len(ready))
         event = {
             "step": restored,
@@ -223,6 +248,7 @@ class LiveRun:
         from torchft.coordination import LighthouseServer
 
         self._group += 1
+        ray.get(self._log.fence.remote(self._group))  # records of a stopped group count no more
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
         self._lighthouse = LighthouseServer(
@@ -234,7 +260,7 @@ class LiveRun:
         )
         restored, restore = self._restore()
         for index in range(self.max):
-            self._start_replica(index, restore)
+            self._start_replica(index, restore, floor=restored)
         refs = {r.ready: r for r in self.replicas.values()}
         ready, _ = ray.wait(list(refs), num_returns=self.min, timeout=START_TIMEOUT_S)
         if len(ready) < self.min:
@@ -245,11 +271,12 @@ class LiveRun:
                 f"{START_TIMEOUT_S:.0f} s (resources_per_worker={self.job.spec.cluster.resources_per_worker})"
             )
         ready += ray.wait([ref for ref in refs if ref not in ready], num_returns=len(refs) - len(ready), timeout=1.0)[0]
-        for ref in ready:
-            self._launch(refs[ref], ref)
-        if not any(r.running is not None for r in self.replicas.values()):
+        built = [refs[ref] for ref in ready if self._built(refs[ref], ref)]
+        if not built:
             return self._fall_back(0, "no replica could be started")
-        self._begin(restored)
+        self._begin(restored, built)  # the log knows the group before any replica can commit a step
+        for replica in built:
+            replica.running = replica.actor.run.remote()
         finished = False
         below_since: float | None = None
         while True:
@@ -264,8 +291,8 @@ class LiveRun:
                     if finished:
                         ray.kill(waiting[ref].actor, no_restart=True)
                         del self.replicas[waiting[ref].index]
-                    else:
-                        self._launch(waiting[ref], ref, joined=True)
+                    elif self._built(waiting[ref], ref):
+                        self._launch(waiting[ref])
                     continue
                 replica = running[ref]
                 try:
@@ -273,10 +300,13 @@ class LiveRun:
                     finished = True
                     del self.replicas[replica.index]
                 except RayActorError:
-                    self._lost(replica, replace=not finished)
+                    self._lost(replica, replace=not finished, why="its process died")
                 except RayTaskError as err:
-                    self._stop_all()
-                    raise err.as_instanceof_cause() from None
+                    if isinstance(err.cause, LiveReplicaLost) or finished:
+                        self._lost(replica, replace=not finished, why=str(err.cause))
+                    else:  # the user's code (or a non-finite step with on_nonfinite="stop"): fail once
+                        self._stop_all()
+                        raise err.as_instanceof_cause() from None
             alive = sum(1 for r in self.replicas.values() if r.running is not None)
             if alive == 0 and not finished:  # nobody to heal from: a replacement would start from scratch
                 return self._fall_back(0, "every replica is lost")
@@ -302,13 +332,14 @@ class LiveRun:
         )
         at = ray.get(self._log.last_step.remote())
         self.result.fallbacks.append({"reason": reason, "at_step": at, "restored_step": restored})
+        self._failed(reason)
         self._log.note.remote(reason)
         self._log.membership.remote({"kind": "fallback", "alive": alive, "reason": reason})
         self._stop_all()
         return reason
 
-    def _launch(self, replica: _Replica, ready_ref: Any, joined: bool = False) -> None:
-        """A built replica starts training (a replacement heals from a peer at its first quorum)."""
+    def _built(self, replica: _Replica, ready_ref: Any) -> bool:
+        """Record a built replica's pid and node (False, and it counts as lost, when it died while starting)."""
         import ray
         from ray.exceptions import RayActorError
 
@@ -316,26 +347,30 @@ class LiveRun:
             replica.pid, replica.node, self.total_steps = ray.get(ready_ref)
         except RayActorError as err:  # died while being built: say why (the user's functions were checked)
             cause = str(err).strip().splitlines()
-            self._note(f"replica {replica.name} failed while starting: {cause[-1] if cause else type(err).__name__}")
-            self._lost(replica, replace=True)
-            return
-        replica.running = replica.actor.run.remote()
-        record = {"kind": "joined" if joined else "started", "replica": replica.name, "pid": replica.pid}
-        if joined:
-            self._note(
-                f"replica {replica.name} (pid {replica.pid}) joined; it heals from a peer and takes part from the "
-                "next step",
-                record,
-            )
-        else:
-            self._log.membership.remote(record)
+            self._lost(replica, replace=True, why=f"failed while starting: {cause[-1] if cause else err!r}")
+            return False
+        self._log.membership.remote({"kind": "started", "replica": replica.name, "pid": replica.pid})
+        return True
 
-    def _lost(self, replica: _Replica, replace: bool) -> None:
+    def _launch(self, replica: _Replica) -> None:
+        """A replacement built during the run starts training: it heals from a peer at its first quorum."""
+        replica.running = replica.actor.run.remote()
+        self._note(
+            f"replica {replica.name} (pid {replica.pid}) joined; it heals from a peer and takes part from the next "
+            "step",
+            {"kind": "joined", "replica": replica.name, "pid": replica.pid},
+        )
+
+    def _lost(self, replica: _Replica, replace: bool, why: str) -> None:
+        """A replica is gone (`why`): say so, count it against `max_failures`, and start a replacement (healing
+        from a peer) when `replace` and another replica is still training."""
         import ray
 
         del self.replicas[replica.index]
         step = ray.get(self._log.last_step.remote())
-        self.result.lost.append({"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time()})
+        self.result.lost.append(
+            {"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time(), "why": why}
+        )
         who = f"replica {replica.name} (pid {replica.pid})" if replica.pid else f"replica {replica.name} (starting)"
         others = sum(1 for r in self.replicas.values() if r.running is not None)
         going_on = (
@@ -344,8 +379,9 @@ class LiveRun:
             else "no replica left to go on"
         )
         self._note(
-            f"{who} lost after step {step}; {going_on}",
-            {"kind": "lost", "replica": replica.name, "pid": replica.pid, "step": step},
+            f"{who} lost after step {step} ({why}); {going_on}",
+            {"kind": "lost", "replica": replica.name, "pid": replica.pid, "step": step, "why": why},
         )
+        self._failed(f"{who}: {why}")
         if replace and others:  # with none left there is no peer to heal from: the run falls back instead
-            self._start_replica(replica.index, None)
+            self._start_replica(replica.index, None, floor=step)

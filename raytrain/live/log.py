@@ -2,11 +2,11 @@
 checkpoints which the rank-0 participant of each step sends, and writes them to the run directory in the restart
 path's formats (metrics.jsonl, samples.jsonl, events.jsonl, raytrain.log; `raytrain.rank0.Rank0Log`).
 
-Rank 0 of a live step changes when replicas come and go, so no worker owns the files: a step is written once
-(the first record of a step wins; a replica that healed never sends an older one), and the participant count
-is logged each time it changes. Live checkpoints are `live-checkpoint-<step>/` directories holding the model,
-optimizer and torchft step count (`state.pt`) and the data position (`train_state.json`); each is written to a
-temporary name and renamed, so a crash mid-write leaves the previous one intact.
+Rank 0 of a live step changes when replicas come and go, so no worker owns the files: every replica that
+committed a step sends its record, the first record of each step is written, steps in order, and the
+participant count is logged each time it changes. Live checkpoints are `live-checkpoint-<step>/` directories
+holding the model, optimizer and torchft step count (`state.pt`) and the data position (`train_state.json`);
+each is written to a temporary name and renamed, so a crash mid-write leaves the previous one intact.
 """
 
 from __future__ import annotations
@@ -38,6 +38,28 @@ def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def check_resumable_with(state: TrainState, config: dict[str, Any], num_rows: int) -> None:
+    """`ConfigError` when a live checkpoint was written with another global batch, seed, drop_last or data size
+    than the run resuming from it: live mode finds a step's samples from the step number and these, so any of
+    them changed would skip or repeat samples."""
+    from raytrain.errors import ConfigError
+
+    stored = state.config
+    pairs = {
+        "batch.global_batch": (stored.get("batch", {}).get("global_batch"), config["batch"]["global_batch"]),
+        "batch.drop_last": (stored.get("batch", {}).get("drop_last"), config["batch"]["drop_last"]),
+        "loop.seed": (stored.get("loop", {}).get("seed"), config["loop"]["seed"]),
+        "training rows": (state.plan.get("num_rows"), num_rows),
+    }
+    changed = [f"{name} {old!r} -> {new!r}" for name, (old, new) in pairs.items() if old is not None and old != new]
+    if changed:
+        raise ConfigError(
+            f"live checkpoint step {state.step} was written with other settings than this run: {', '.join(changed)};"
+            " live mode resumes only with the same ones (the restart path can change the global batch), or start "
+            "a new run_name"
+        )
+
+
 def load_live_checkpoint(directory: str) -> tuple[TrainState, dict[str, Any]]:
     """A live checkpoint's train state and its state dict (model, optim, manager)."""
     with open(os.path.join(directory, "train_state.json")) as f:
@@ -49,11 +71,14 @@ class LiveLog:
     """The run's rank-0 files (see the module docstring). Methods are called by the replicas (`step`,
     `checkpoint`) and the driver (`begin`, `note`, `membership`, `last_step`)."""
 
-    def __init__(self, run_dir: str, *, audit: bool, log_every: int, keep: int, config: dict[str, Any]) -> None:
-        self.run_dir, self.keep, self.config = run_dir, keep, config
+    def __init__(
+        self, run_dir: str, *, audit: bool, log_every: int, keep: int, config: dict[str, Any], num_rows: int = 0
+    ) -> None:
+        self.run_dir, self.keep, self.config, self.num_rows = run_dir, keep, config, num_rows
         self.log = Rank0Log(0, run_dir, audit=audit, log_every=log_every)
         self.last = 0
         self.group = 0
+        self.pending: dict[int, tuple[dict[str, Any], list[int] | None]] = {}  # steps waiting for an earlier one
         self.plan: dict[str, Any] | None = None
         self.lr: float | None = None
 
@@ -61,7 +86,7 @@ class LiveLog:
         """Group `group`'s (re)start of the live run: trim what came after `restored_step`, append `event` to
         events.jsonl. From now on records of earlier groups (sent by replicas before the fallback stopped them)
         are ignored."""
-        self.group = group
+        self.group, self.pending = group, {}
         self.last, self.plan = restored_step, event["plan"]
         self.lr = event["lr"]
         self.log.total_steps = total_steps
@@ -76,10 +101,21 @@ class LiveLog:
         with open(os.path.join(self.run_dir, LIVE_EVENTS_FILE), "a") as f:
             f.write(json.dumps({**record, "time": time.time()}) + "\n")
 
+    def fence(self, group: int) -> None:
+        """From now on only group `group`'s records count (the driver calls it before a group starts: records a
+        stopped group's replicas sent before they died are dropped)."""
+        self.group, self.pending = group, {}
+
     def step(self, group: int, metrics: dict[str, Any], ids: list[int] | None) -> None:
-        """A committed step from its rank-0 participant in group `group`; written once, in order."""
+        """A committed step from a replica of group `group` (every replica that committed it sends it): the first
+        record of each step is kept, and steps are written in order (a later step waits for the earlier ones)."""
         if group != self.group or metrics["step"] <= self.last:
             return
+        self.pending.setdefault(metrics["step"], (metrics, ids))
+        while self.last + 1 in self.pending:
+            self._write(*self.pending.pop(self.last + 1))
+
+    def _write(self, metrics: dict[str, Any], ids: list[int] | None) -> None:
         self.last = metrics["step"]
         plan = {
             "world_size": metrics["world_size"],
@@ -103,7 +139,14 @@ class LiveLog:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
         torch.save(state, os.path.join(partial, "state.pt"))
-        train_state = TrainState(step=step, epoch=epoch, sample_in_epoch=sample_in_epoch, config=self.config)
+        train_state = TrainState(
+            step=step,
+            epoch=epoch,
+            sample_in_epoch=sample_in_epoch,
+            global_batch=self.config.get("batch", {}).get("global_batch", 0),
+            plan={"num_rows": self.num_rows},
+            config=self.config,
+        )
         with open(os.path.join(partial, "train_state.json"), "w") as f:
             json.dump(asdict(train_state), f)
         os.rename(partial, final)
@@ -115,5 +158,10 @@ class LiveLog:
         return self.last
 
     def close(self) -> None:
-        """Close the files (end of the run)."""
+        """Close the files (end of the run); a step still waiting for an earlier one is named (never expected:
+        every committed step is sent by every replica that committed it)."""
+        if self.pending:
+            self.log.print(
+                f"WARNING: steps {sorted(self.pending)} were recorded but step {self.last + 1} never was; not written"
+            )
         self.log.close()

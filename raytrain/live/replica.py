@@ -13,9 +13,11 @@ not do is keep the batch: its replicas each train their own batch, so the effect
 * each participant's loss is the sum of its per-sample losses times P / B, and torchft averages the gradients over
   the P participants, so the update is the mean over all B samples: the same as one process on the whole batch,
   whatever P is;
-* the optimizer steps only when torchft's `should_commit` agrees on every replica. A replica that fails mid-step
-  makes the step fail everywhere (not half-applied); the next quorum redoes the same step s, with the same B
-  samples, split over the new participants.
+* the optimizer steps only when torchft's `should_commit` says so. A replica that fails mid-step makes the
+  step's collective fail on the others, which then do not commit it (never half-applied); the next quorum
+  redoes the same step s, with the same B samples, split over the new participants. `should_commit` is decided
+  per replica group: if one group committed a step that another did not, the other is behind at the next
+  quorum and heals from a peer, so every replica holds the committed update.
 
 This module is the step alone, run by one process per replica group (tested with real torchft processes, a
 lighthouse and a kill in `tests/test_live.py`); `raytrain.live.worker` runs it in a Ray actor over the run's data,
@@ -44,6 +46,23 @@ class Quorum:
     step: int
     participants: int
     rank: int
+
+
+@dataclass(frozen=True)
+class LiveStep:
+    """What `LiveReplica.train_step` did: whether this replica group committed the step, the step's mean
+    per-sample loss over all its samples and the norm of the averaged gradient (before clipping), and whether
+    both are finite (if not, nothing was stepped, as in the restart path)."""
+
+    committed: bool
+    loss: float
+    grad_norm: float
+    finite: bool
+
+
+class LiveReplicaLost(RuntimeError):
+    """This replica cannot go on live: its quorum failed (a timeout, the lighthouse gone) or it found no peer to
+    heal from. The driver treats it as a lost replica, never as a bug in the user's code."""
 
 
 @dataclass(frozen=True)
@@ -150,7 +169,10 @@ class LiveReplica:
     def start_step(self) -> Quorum:
         """Join this step's quorum (healing from a peer first when behind) and return it; its step is the one
         torchft says is next (`manager.current_step()`, the committed steps so far)."""
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as err:  # torchft's quorum timeout or a lighthouse that went away
+            raise LiveReplicaLost(f"quorum failed: {type(err).__name__}: {err}") from err
         rank = self.manager.participating_rank()
         assert rank is not None, "a synchronous quorum always makes this replica a participant"
         return Quorum(self.manager.current_step(), self.manager.num_participants(), rank)
@@ -162,15 +184,15 @@ class LiveReplica:
         loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
         fault: Callable[[], None] = lambda: None,
         max_grad_norm: float | None = None,
-    ) -> tuple[bool, float]:
+    ) -> LiveStep:
         """Forward/backward of `share`'s micro-batches (the per-sample losses times `share.loss_scale`), the
-        gradients averaged over the participants, clipping to `max_grad_norm` (the norm of the averaged gradient,
-        the same on every replica), and the optimizer step if and only if every replica commits. Returns
-        (committed, the step's mean per-sample loss over all its samples, averaged with the gradients). `fault`
-        is called between the backward and the gradient all-reduce (tests kill a replica there). A loss that is
-        not finite steps nothing and returns (committed, nan-or-inf): the caller decides what follows."""
+        gradients of the trainable parameters averaged over the participants, and then, if this replica group
+        commits (torchft's `should_commit`) and the averaged loss and gradient are finite: clipping to
+        `max_grad_norm` (the norm of the averaged gradient, the same on every replica) and the optimizer step.
+        `fault` is called between the backward and the gradient all-reduce (tests kill a replica there)."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=False)
-        for p in self.model.parameters():
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         local = 0.0
@@ -180,8 +202,7 @@ class LiveReplica:
             local += float(losses.detach().sum())
         fault()
         loss = torch.tensor([local * share.loss_scale], dtype=torch.float64)  # averaged over P: sum / B
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        works = [self.manager.allreduce(t) for t in (*grads, loss)]
+        works = [self.manager.allreduce(t) for t in (*(p.grad for p in params if p.grad is not None), loss)]
         for work in works:
             work.wait()
         if self.manager.errored() is not None:
@@ -190,11 +211,13 @@ class LiveReplica:
             self._pg.abort()
         committed = self.manager.should_commit()
         mean = float(loss)
-        if committed and math.isfinite(mean):
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        finite = math.isfinite(mean) and math.isfinite(norm)
+        if committed and finite:
             if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             self.optimizer.step()
-        return committed, mean
+        return LiveStep(committed, mean, norm, finite)
 
     def shutdown(self) -> None:
         """Leave the quorum and stop torchft's background threads."""

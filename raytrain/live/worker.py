@@ -10,7 +10,6 @@ any bookkeeping of its own, and every replica agrees on it. The participants of 
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ class LiveSettings:
     lighthouse: str
     replica_id: str
     group: int = 0  # the driver's group of replicas (a fallback starts the next): the log ignores older groups
+    floor: int = 0  # steps the run had committed when this replica started: a quorum behind it had no peer
     timeout_s: float = 10.0
     quorum_timeout_s: float = 60.0
 
@@ -47,6 +47,7 @@ class LiveOutcome:
     first_step: int | None = None
     last_step: int | None = None
     committed: int = 0
+    skipped_steps: int = 0  # committed without an update: a non-finite loss or gradient (on_nonfinite="skip")
     failed_steps: list[int] = field(default_factory=list)
 
 
@@ -130,8 +131,11 @@ class LiveWorker:
         return self.peak_lr * spec.lr.factor(step, total)
 
     def run(self) -> LiveOutcome:
-        """Train steps until the run's last one; every quorum may have other participants."""
-        from raytrain.live.replica import live_share
+        """Train steps until the run's last one; every quorum may have other participants. Raises
+        `LiveReplicaLost` when the quorum fails or when this replica found no peer to heal from (its quorum is
+        behind `settings.floor`), `NonFiniteError` for a non-finite step with on_nonfinite="stop", and what the
+        user's code raises."""
+        from raytrain.live.replica import LiveReplicaLost, live_share
 
         spec = self.job.spec
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
@@ -139,6 +143,11 @@ class LiveWorker:
             while True:
                 quorum = self.replica.start_step()
                 step = quorum.step
+                if step < self.settings.floor:
+                    raise LiveReplicaLost(
+                        f"replica {self.settings.replica_id} found no peer to heal from: its quorum is at step "
+                        f"{step}, the run had committed {self.settings.floor} steps"
+                    )
                 if step >= self.total_steps:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
@@ -154,22 +163,22 @@ class LiveWorker:
                 set_lr(self.optimizer, self.ratios, lr)
                 seed_step(spec.loop.seed, step, quorum.rank)
                 started = time.perf_counter()
-                committed, loss = self.replica.train_step(
-                    share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm
-                )
+                result = self.replica.train_step(share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm)
                 outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step
                 outcome.last_step = step + 1
-                if not committed:
+                if not result.committed:
                     outcome.failed_steps.append(step + 1)
                     continue
                 outcome.committed += 1
-                if not math.isfinite(loss) and spec.loop.on_nonfinite == "stop":
-                    raise NonFiniteError(
-                        f"step {step + 1}: the loss ({loss:.4g}) is not finite; stopped before the update "
-                        "(LoopConfig(on_nonfinite='skip') skips such steps instead)"
-                    )
-                if quorum.rank == 0:
-                    self._record(step, epoch, sample_in_epoch, share, positions, lr, loss, started)
+                if not result.finite:
+                    if spec.loop.on_nonfinite == "stop":
+                        raise NonFiniteError(
+                            f"step {step + 1}: the loss ({result.loss:.4g}) or the gradient norm "
+                            f"({result.grad_norm:.4g}) is not finite; stopped before the update, the last live "
+                            "checkpoint is the last good state (LoopConfig(on_nonfinite='skip') skips such steps)"
+                        )
+                    outcome.skipped_steps += 1
+                self._record(step, epoch, sample_in_epoch, share, positions, lr, result, started, quorum.rank)
         finally:
             self.replica.shutdown()
         return outcome
@@ -182,13 +191,18 @@ class LiveWorker:
         share: Any,
         positions: np.ndarray,
         lr: float,
-        loss: float,
+        result: Any,
         started: float,
+        rank: int,
     ) -> None:
-        """Rank 0 of the step's quorum: the metrics line (and sample ids), and every `every_steps` a checkpoint,
-        both written by the run's `LiveLog` (fire and forget: the state is copied when the call is made)."""
+        """A committed step's metrics line (and sample ids), sent by every replica that committed it (the log
+        writes the first of each step, in order: a replica group may commit a step its peers did not); every
+        `every_steps` steps rank 0 of the quorum also sends a checkpoint. Fire and forget: the state is copied
+        when the call is made."""
         spec = self.job.spec
         done = step + 1
+        per_epoch = steps_per_epoch(self.num_rows, self.global_batch, spec.batch.drop_last)
+        epoch_samples = self.num_rows if not spec.batch.drop_last else per_epoch * self.global_batch
         metrics: dict[str, Any] = {
             "step": done,
             "epoch": epoch,
@@ -196,21 +210,23 @@ class LiveWorker:
             "accumulation_steps": share.plan.accumulation_steps,
             "per_rank_samples": list(share.plan.per_rank_samples),
             "global_batch_size": len(positions),
+            "samples_seen": epoch * epoch_samples + sample_in_epoch + len(positions),
             "lr": lr,
-            "loss": loss,
+            "loss": result.loss,
+            "grad_norm": result.grad_norm,
             "step_time_s": time.perf_counter() - started,
             "time": time.time(),
         }
+        if not result.finite:
+            metrics["skipped"] = True  # on_nonfinite="skip": this step's update was dropped
         ids = self.ids[positions] if spec.loop.audit_samples else None
         self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
-        last = done == self.total_steps
-        if done % spec.checkpoint.every_steps == 0 or last:
-            next_epoch, next_sample = epoch, sample_in_epoch + len(positions)
+        if rank == 0 and (done % spec.checkpoint.every_steps == 0 or done == self.total_steps):
             self.log.checkpoint.remote(
                 self.settings.group,
                 done,
-                next_epoch,
-                next_sample,
+                epoch,
+                sample_in_epoch + len(positions),
                 {k: _cpu(v) for k, v in self.replica.state_dict().items()},
             )
 
