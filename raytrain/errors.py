@@ -1,5 +1,7 @@
 """Errors raytrain raises on purpose."""
 
+from __future__ import annotations
+
 
 class ConfigError(ValueError):
     """A user-supplied setting is invalid; the message names the field, the value and the valid range."""
@@ -14,6 +16,15 @@ class UserCodeError(RuntimeError):
 class NonFiniteError(RuntimeError):
     """A step's loss or gradient was NaN or Inf (`LoopConfig(on_nonfinite="stop")`): the run stops at once, before
     the update; the latest checkpoint is the last good state."""
+
+    @classmethod
+    def at(cls, step: int, loss: float, grad_norm: float) -> NonFiniteError:
+        """The error of optimizer step `step` (1-based) with its mean loss and gradient norm (both loops')."""
+        return cls(
+            f"step {step}: the loss ({loss:.4g}) or the gradient norm ({grad_norm:.4g}) is not finite; stopped "
+            "before the update, the last checkpoint is the last good state (LoopConfig(on_nonfinite='skip') skips "
+            "such steps instead)"
+        )
 
 
 class DamagedCheckpointsError(RuntimeError):

@@ -551,11 +551,7 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
     )
     if not result.stepped:
         if spec.loop.on_nonfinite == "stop":
-            raise NonFiniteError(
-                f"step {state.step + 1}: the loss ({result.loss_sum / total:.4g}) or the gradient norm "
-                f"({result.grad_norm:.4g}) is not finite; stopped before the update, the last checkpoint is the "
-                "last good state (LoopConfig(on_nonfinite='skip') skips such steps instead)"
-            )
+            raise NonFiniteError.at(state.step + 1, result.loss_sum / total, result.grad_norm)
         state.skipped_steps += 1
     state.step, state.sample_in_epoch, state.samples_seen = (
         state.step + 1,

@@ -172,11 +172,7 @@ class LiveWorker:
                 outcome.committed += 1
                 if not result.finite:
                     if spec.loop.on_nonfinite == "stop":
-                        raise NonFiniteError(
-                            f"step {step + 1}: the loss ({result.loss:.4g}) or the gradient norm "
-                            f"({result.grad_norm:.4g}) is not finite; stopped before the update, the last live "
-                            "checkpoint is the last good state (LoopConfig(on_nonfinite='skip') skips such steps)"
-                        )
+                        raise NonFiniteError.at(step + 1, result.loss, result.grad_norm)
                     outcome.skipped_steps += 1
                 self._record(step, epoch, sample_in_epoch, share, positions, lr, result, started, quorum.rank)
         finally:
