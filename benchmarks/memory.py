@@ -40,6 +40,7 @@ from torch import nn
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import loop_memory
 from raytrain.memory_tracker import LiveBytes
+from raytrain.model_init import record_build
 from raytrain.optim import build_optimizer
 from raytrain.parallel.apply import apply_parallelism, fsdp_units, step_policy
 from raytrain.parallel.strategy import choose_layout, unit_params
@@ -111,13 +112,14 @@ def run_config(config: dict[str, Any], rank: int, full_init: bool = False) -> di
     tracker = LiveBytes()
     losses = []
     with tracker:
-        if full_init:  # the old path: the whole model on every rank, then sharded
+        trace = None
+        if full_init:  # the full build: the whole model on every rank, then sharded
             torch.manual_seed(0)
             model = Stack()
-        else:
-            with torch.device("meta"):
-                model = Stack()
-        model = apply_parallelism(model, strategy, torch.device("cpu"), world, seed=0)
+        else:  # the sharded build: recorded on meta, each rank replays its shard
+            built = record_build(Stack)
+            model, trace = built.model, built.trace
+        model = apply_parallelism(model, strategy, torch.device("cpu"), world, init=trace, seed=0)
         tracker.mark("init")
         optimizer = build_optimizer(model, adamw, 1e-3, strategy)
         policy = step_policy(strategy, world, "fp32", config["mode"])
@@ -147,9 +149,8 @@ def rank_main(rank: int, world: int, rows: list[dict[str, Any]]) -> list[dict[st
 
 def single_process_losses(k: int, world: int) -> list[float]:
     """The same steps in one process, unwrapped: every rank's micro-batches in one batch per step."""
-    with torch.device("meta"):
-        model = Stack()
-    model = apply_parallelism(model, "ddp", torch.device("cpu"), 1, seed=0)
+    built = record_build(Stack)
+    model = apply_parallelism(built.model, "ddp", torch.device("cpu"), 1, init=built.trace, seed=0)
     optimizer = adamw(model.parameters(), 1e-3)
     losses = []
     for step in range(STEPS):

@@ -21,6 +21,7 @@ Printed last, as one JSON line (ratios against dp 4 in the same run):
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Any
@@ -31,6 +32,7 @@ from _common import machine_line, print_headline, quiet_fsdp_warnings, table
 
 from raytrain.batch_plan import plan_batch
 from raytrain.memory_tracker import LiveBytes
+from raytrain.model_init import record_build
 from raytrain.optim import build_optimizer
 from raytrain.parallel.apply import apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims
@@ -63,10 +65,12 @@ def run_layout(rank: int, name: str, width: int, blocks: int, steps: int) -> dic
     times, losses = [], []
     with tracker:
         mesh = dims.build_mesh("cpu") if dims.model_parallel else None
-        with torch.device("meta"):
-            model = block_mlp(FEATURES, width, blocks)
+        built = record_build(functools.partial(block_mlp, FEATURES, width, blocks))
+        model = built.model
         plan = resolve_plan(model, block_mlp_tp_plan(model), tp) if tp > 1 else None
-        model = apply_parallelism(model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp)
+        model = apply_parallelism(
+            model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace
+        )
         optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
         policy = (
             step_policy("ddp", dims, "fp32", "unsharded", mesh, coords)

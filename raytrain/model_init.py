@@ -1,77 +1,340 @@
-"""Building the model without materializing it whole: on the meta device, then each rank's shard only.
+"""Building the model without materializing it whole: record `model_fn()` on the meta device, replay per tensor.
 
-The initial weights are a function of (seed, module name) alone, never of the world size or the strategy:
-`init_weights` visits the modules children first (the order in which a constructor initialises them: a parent's
-own reset runs after its children's, as `nn.MultiheadAttention` does for its `out_proj`) and, for every module
-that owns parameters or buffers, gives them full-size CPU tensors, seeds torch's generator from (seed, module
-name), calls the module's own `reset_parameters()`, then copies each rank's slice of the result into the real
-(possibly FSDP-sharded) tensor. Peak memory is the largest single module's parameters, not the model.
+`record_build(model_fn)` runs the user's constructor on the meta device (no memory, no compute) while a recorder
+logs every tensor operation that creates or writes a tensor: the layers' own `reset_parameters`, a root-level
+`self.apply(self._init_weights)` (nanoGPT, Hugging Face's `post_init`), a parent writing its child's weight, a
+buffer computed with `torch.tril(torch.ones(...))`, `torch.tensor(0)` constants, `.to(torch.float64)` at the end.
+Nothing is interpreted: the log is the constructor's own computation, whatever code performed it.
 
-A model can be built this way when every module that owns parameters or buffers has `reset_parameters()` (or
-`_reset_parameters()`): all of torch.nn's layers do. Otherwise `meta_init_blocker` names the first module that
-does not, and the loop builds the full model on every rank (`torch.manual_seed(seed); model_fn()`, the same at
-every W) and logs why.
+`materialize(model, device, trace, seed)` then gives the (possibly sharded) meta model real storage and fills each
+parameter and buffer by replaying only the operations its final value depends on (its *closure*: its creation,
+every write to it or to a view of it, and recursively the tensors those read), on full-size CPU tensors, keeping
+this rank's slice. Peak memory is one tensor's closure (about the largest tensor), never the model. Ties survive:
+a parameter shared by two modules (GPT-2's `lm_head.weight = wte.weight`) is one parameter again afterwards.
+
+The contract (tested on torch.nn, nanoGPT-style and transformers models):
+- deterministic operations replay exactly: ties, buffers (bool and integer included), constants, zeros, ones and
+  anything computed from them equal `model_fn()`'s bit for bit;
+- a random operation (`uniform_`, `normal_`, `randn`, ... : torch's `nondeterministic_seeded` tag) replays with the
+  same arguments, so it draws from the distribution the model's own init code asks for, from a generator seeded
+  by (seed, the operation's place in the log): the values differ from an eager `torch.manual_seed(seed);
+  model_fn()` but are the same at every world size, strategy and layout, because every rank records the same log.
+- `torch.empty` memory that the constructor never writes is NaN after the replay (garbage in an eager build);
+  `check_trace` names such a tensor, and the full build is used instead.
+
+The full build (`torch.manual_seed(seed); model_fn()` on every rank, then sharded) is exact; `ParallelConfig.init`
+chooses between the two (`raytrain.parallel.layout.init_mode`).
 """
 
 from __future__ import annotations
 
-import zlib
+import bisect
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
 
-RESET_METHODS = ("reset_parameters", "_reset_parameters")
-
-
-def build_on_meta(model_fn: Callable[[], nn.Module]) -> nn.Module | None:
-    """`model_fn()` with every tensor on the meta device (no memory), or None when `model_fn` cannot build there
-    (e.g. it loads weights from a file)."""
-    try:
-        with torch.device("meta"):
-            model = model_fn()
-    except Exception:
-        return None
-    return model if isinstance(model, nn.Module) else None
+_EMPTY_OPS = frozenset(
+    {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided"}
+)
 
 
-def _owned(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters and buffers `module` owns directly (not its children's)."""
-    tensors: dict[str, torch.Tensor] = dict(module.named_parameters(recurse=False))
-    tensors.update(dict(module.named_buffers(recurse=False)))
-    return tensors
+def _key(tensor: torch.Tensor) -> int:
+    """The identity of `tensor`'s storage: views, `.data` and `nn.Parameter` wrappers of one tensor share it."""
+    return tensor.untyped_storage()._cdata
 
 
-def _reset_method(module: nn.Module) -> Callable[[], None] | None:
-    for name in RESET_METHODS:
-        method = getattr(module, name, None)
-        if callable(method):
-            return method
+@dataclass(frozen=True)
+class Ref:
+    """A recorded meta tensor: its storage and its geometry over that storage (so views need no replay)."""
+
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+    @staticmethod
+    def of(tensor: torch.Tensor) -> Ref:
+        shape, stride = tuple(int(n) for n in tensor.shape), tuple(int(n) for n in tensor.stride())
+        return Ref(_key(tensor), tensor.dtype, shape, stride, int(tensor.storage_offset()))
+
+    def on(self, storage: torch.UntypedStorage) -> torch.Tensor:
+        """This geometry over a real `storage`."""
+        return torch.empty(0, dtype=self.dtype).set_(storage, self.offset, self.size, self.stride)
+
+
+@dataclass(frozen=True)
+class _Const:
+    """A real (CPU) tensor an operation read, captured by value at that moment."""
+
+    value: torch.Tensor
+
+
+@dataclass
+class _Op:
+    """One recorded operation that created or wrote meta storage."""
+
+    index: int
+    func: Any  # an aten OpOverload
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    creates: list[Ref]  # outputs on storage no earlier operation made
+    reads: list[int]  # storages of every tensor argument (read or written)
+    random: bool
+
+
+@dataclass
+class InitTrace:
+    """The recorded construction of a model: operations, and each parameter's and buffer's final tensor by name."""
+
+    ops: list[_Op] = field(default_factory=list)
+    writers: dict[int, list[int]] = field(default_factory=dict)  # storage -> indices of ops creating/writing it
+    tensors: dict[str, Ref] = field(default_factory=dict)  # every parameter/buffer name (ties: several names)
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # names of real (non-meta) tensors: values
+    untraced: list[str] = field(default_factory=list)  # names whose storage no recorded operation made
+    _keep: list[torch.Tensor] = field(default_factory=list)  # meta tensors kept alive (their storage ids stay unique)
+
+    # -- recording -------------------------------------------------------------------------------------------
+    def _ref(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.device) and value.type == "meta":
+                return torch.device("cpu")
+            return None if isinstance(value, torch.Generator) else value
+        if _is_fake(value):
+            self._keep.append(value)
+            return Ref.of(value)
+        with _disable_current_modes():  # a real copy, not a fake one
+            return _Const(value.detach().clone())
+
+    def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Log `func(*args, **kwargs) -> out` when it creates new meta storage or writes existing storage."""
+        written: list[torch.Tensor] = []
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = kwargs.get(argument.name, args[position] if position < len(args) else None)
+                written += [t for t in tree_flatten(value)[0] if _is_fake(t)]
+        outputs = [t for t in tree_flatten(out)[0] if _is_fake(t)]
+        creates = [Ref.of(t) for t in outputs if _key(t) not in self.writers]
+        if not creates and not written:
+            return  # a view, or an operation whose result is not kept: nothing to replay
+        op_args, op_kwargs = tree_map(self._ref, args), tree_map(self._ref, kwargs)
+        reads = [r.storage for r in tree_flatten((op_args, op_kwargs))[0] if isinstance(r, Ref)]
+        random = torch.Tag.nondeterministic_seeded in func.tags
+        op = _Op(len(self.ops), func, op_args, op_kwargs, creates, reads, random)
+        self._log(op, [r.storage for r in creates] + [_key(t) for t in written])
+        self._keep += outputs
+
+    def _log(self, op: _Op, storages: list[int]) -> None:
+        self.ops.append(op)
+        for storage in dict.fromkeys(storages):
+            self.writers.setdefault(storage, []).append(op.index)
+
+    def finish(self, model: nn.Module) -> None:
+        """Name the model's final tensors (after `model_fn` returned): parameters, buffers and plain tensor
+        attributes (e.g. a rotary embedding's `original_inv_freq`)."""
+        for name, tensor in (*_named_tensors(model), *_tensor_attributes(model)):
+            if not _is_fake(tensor):
+                self.constants[name] = tensor.detach().clone()
+            elif _key(tensor) in self.writers:
+                self.tensors[name] = Ref.of(tensor)
+            else:
+                self.untraced.append(name)
+            self._keep.append(tensor)
+
+    # -- replay ----------------------------------------------------------------------------------------------
+    def _closure(self, storage: int) -> list[int]:
+        """The indices, in log order, of every operation the final value of `storage` depends on."""
+        needed: set[int] = set()
+        todo = [(storage, len(self.ops))]
+        while todo:
+            key, before = todo.pop()
+            writers = self.writers.get(key, [])
+            for index in writers[: bisect.bisect_left(writers, before)]:
+                if index not in needed:
+                    needed.add(index)
+                    todo += [(read, index) for read in self.ops[index].reads]
+        return sorted(needed)
+
+    def value(self, name: str, seed: int) -> torch.Tensor:
+        """The full initial value of parameter or buffer `name` on the CPU (see the module docstring)."""
+        if name in self.constants:
+            return self.constants[name]
+        ref = self.tensors[name]
+        real: dict[int, torch.UntypedStorage] = {}
+        for index in self._closure(ref.storage):
+            self._run(self.ops[index], real, seed)
+        return ref.on(real[ref.storage]).clone()
+
+    def _run(self, op: _Op, real: dict[int, torch.UntypedStorage], seed: int) -> None:
+
+        def tensor(value: Any) -> Any:
+            if isinstance(value, Ref):
+                return value.on(real[value.storage])
+            return value.value.clone() if isinstance(value, _Const) else value  # a copy: the op may write it
+
+        args, kwargs = tree_map(tensor, op.args), tree_map(tensor, op.kwargs)
+        if op.random:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(op_seed(seed, op.index))
+                out = op.func(*args, **kwargs)
+        else:
+            out = op.func(*args, **kwargs)
+        outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if op.func._schema.name in _EMPTY_OPS:  # never garbage: deterministic, and NaN shows an unset float
+            for t in outputs:
+                t.fill_(float("nan") if t.is_floating_point() or t.is_complex() else 0)
+        for ref in op.creates:
+            geometry = (ref.size, ref.stride, ref.offset)
+            match = [t for t in outputs if (tuple(t.shape), tuple(t.stride()), t.storage_offset()) == geometry]
+            if not match:
+                raise ValueError(f"replaying {op.func} gave other shapes or strides than on the meta device")
+            real.setdefault(ref.storage, match[0].untyped_storage())
+
+
+def op_seed(seed: int, index: int) -> int:
+    """The generator seed of the recorded random operation number `index`: a function of the run's seed and the
+    operation's place in the construction log only."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+def _is_fake(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, FakeTensor)
+
+
+def _tensor_attributes(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors kept as plain module attributes (neither parameters nor buffers), by dotted name."""
+    for module_name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not attr.startswith("_"):
+                yield (f"{module_name}.{attr}" if module_name else attr), value
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer by every name (a tied parameter under each of its names)."""
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: InitTrace, memo: Any) -> None:
+        super().__init__()
+        self.trace, self.memo = trace, memo
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.trace.record(func, args, kwargs, out)
+        # FakeTensorMode remembers tensors it made by weak reference, and torch refuses to swap a tensor that has
+        # one: `module.to(dtype)` in model_fn would fail. The recording never needs those memories.
+        self.memo.clear()
+        return out
+
+
+@dataclass(frozen=True)
+class MetaBuild:
+    """`model_fn()` on the meta device and the trace of its construction."""
+
+    model: nn.Module
+    trace: InitTrace
+
+
+def record_build(model_fn: Callable[[], nn.Module]) -> MetaBuild:
+    """Run `model_fn()` without memory, recording how every tensor is made (module docstring), and return the model
+    on the meta device with that trace. Raises what `model_fn` raises there (e.g. it reads a tensor's value with
+    `.item()`, or loads a file), or `TypeError` when it returns no `nn.Module`.
+
+    The constructor runs under torch's `FakeTensorMode`, whose tensors report the device an eager build would use:
+    code that skips its init on the meta device (transformers' `init_weights`) runs it here as it would eagerly."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    trace = InitTrace()
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fake.cache_enabled = False  # its cache holds weak references too (see `_Recorder`)
+    with fake, _Recorder(trace, fake.fake_tensor_converter.meta_converter.tensor_memo), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")  # nn.Transformer's
+        model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn returned {type(model).__name__}, not a torch.nn.Module")
+    trace.finish(model)
+    _to_meta(model)
+    return MetaBuild(model, trace)
+
+
+def _to_meta(model: nn.Module) -> None:
+    """Replace every fake parameter, buffer and plain tensor attribute of `model` by a meta tensor of its shape
+    (one tensor for one fake tensor: ties stay ties)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    made: dict[int, torch.Tensor] = {}
+
+    def meta(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
+            is_param = isinstance(tensor, nn.Parameter) or getattr(tensor, "_is_param", False)
+            made[id(tensor)] = nn.Parameter(empty, tensor.requires_grad) if is_param else empty
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if isinstance(tensor, FakeTensor):
+                    table[name] = meta(tensor)  # type: ignore[assignment]
+        for name, value in vars(module).items():
+            if isinstance(value, FakeTensor):
+                setattr(module, name, meta(value))
+
+
+def check_trace(trace: InitTrace, seed: int) -> str | None:
+    """Why the sharded build cannot reproduce the model (None when it can): a tensor no recorded operation made, a
+    replay that fails, or a floating-point tensor left (partly) unset by the constructor (NaN after the replay).
+    Replays every tensor once, one at a time: the time of the model's init, the memory of its largest tensor."""
+    if trace.untraced:
+        return f"tensor {trace.untraced[0]!r} is not made by any operation recorded on the meta device"
+    done: set[int] = set()
+    for name, ref in trace.tensors.items():
+        if ref.storage in done:
+            continue
+        done.add(ref.storage)
+        try:
+            value = trace.value(name, seed)
+        except Exception as err:
+            return f"replaying the init of {name!r} failed ({type(err).__name__}: {err})"
+        if (value.is_floating_point() or value.is_complex()) and bool(torch.isnan(value).any()):
+            return f"{name!r} is created with torch.empty and model_fn leaves (part of) it unset"
     return None
 
 
-def meta_init_blocker(model: nn.Module) -> str | None:
-    """Why `model` cannot be initialised module by module (None when it can): the first module that owns
-    parameters or buffers but has no `reset_parameters()`."""
-    for name, module in model.named_modules():
-        if _owned(module) and _reset_method(module) is None:
-            return (
-                f"module {name or '<root>'!r} ({type(module).__name__}) owns parameters or buffers but has no "
-                "reset_parameters()"
-            )
-    return None
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules share (first name first, in `named_parameters` order)."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
-def _children_first(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
-        yield from _children_first(child, f"{prefix}{name}.")
-    yield prefix.rstrip("."), module
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = name.rpartition(".")
+    return model.get_submodule(module_name), attr
 
 
-def module_seed(seed: int, name: str) -> int:
-    """The generator seed of module `name`: a function of the run's seed and the module's name only."""
-    return int(np.random.SeedSequence([seed, zlib.crc32(name.encode())]).generate_state(1)[0])
+def retie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Make each group's names one parameter again (the first name's), e.g. after `to_empty`, which gives every
+    module a new tensor of its own."""
+    for first, *others in groups:
+        owner, attr = _owner(model, first)
+        parameter = owner._parameters[attr]
+        for name in others:
+            module, attr = _owner(model, name)
+            module._parameters[attr] = parameter
 
 
 def _local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -84,82 +347,92 @@ def _local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _unset_marker(tensor: torch.Tensor) -> torch.Tensor:
-    """A full-size CPU tensor filled with a value a reset should overwrite: NaN for floats, the largest value for
-    integers (booleans cannot be marked)."""
-    full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-    if full.is_floating_point() or full.is_complex():
-        full.fill_(float("nan"))
-    elif full.dtype != torch.bool:
-        full.fill_(torch.iinfo(full.dtype).max)
-    return full
-
-
-def _still_unset(full: torch.Tensor) -> bool:
-    if full.numel() == 0 or full.dtype == torch.bool:
-        return False
-    if full.is_floating_point() or full.is_complex():
-        return bool(torch.isnan(full).any())
-    return bool((full == torch.iinfo(full.dtype).max).all())
-
-
 @torch.no_grad()
-def reset_module(module: nn.Module, name: str, seed: int) -> dict[str, torch.Tensor]:
-    """The full initial values of the tensors `module` owns: its `reset_parameters()` run on full-size CPU tensors
-    under the seed of (seed, `name`). The module's own tensors (meta, sharded or real) are left in place.
-    Raises `ValueError` when the module has no reset method or its reset leaves one of them unset."""
-    reset = _reset_method(module)
-    if reset is None:
-        raise ValueError(f"module {name or '<root>'!r} ({type(module).__name__}) has no reset_parameters()")
-    real = {key: (key in module._parameters, tensor) for key, tensor in _owned(module).items()}
-    for key, (is_param, tensor) in real.items():
-        full = _unset_marker(tensor)
-        if is_param:
-            module._parameters[key] = nn.Parameter(full, requires_grad=tensor.requires_grad)
-        else:
-            module._buffers[key] = full
-    try:
-        torch.manual_seed(module_seed(seed, name))
-        reset()
-        values = {key: _owned(module)[key].detach() for key in real}
-    finally:
-        for key, (is_param, tensor) in real.items():
-            (module._parameters if is_param else module._buffers)[key] = tensor  # type: ignore[assignment]
-    unset = [key for key, full in values.items() if _still_unset(full)]
-    if unset:
-        raise ValueError(
-            f"module {name or '<root>'!r} ({type(module).__name__}): reset_parameters() leaves {unset} unset"
-        )
-    return values
-
-
-def check_init(model: nn.Module, seed: int) -> str | None:
-    """Why `model` (e.g. built on meta) cannot be initialised module by module, or None when it can: a module
-    without a reset method, or one whose reset leaves a tensor it owns unset. Needs the largest single module's
-    tensors in CPU memory, never the model's."""
-    blocker = meta_init_blocker(model)
-    if blocker is not None:
-        return blocker
-    for name, module in _children_first(model):
-        if _owned(module):
-            try:
-                reset_module(module, name, seed)
-            except ValueError as err:
-                return str(err)
-    return None
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Initialise every parameter and buffer of a materialized `model` (e.g. after `to_empty`) from
-    (seed, module name); see the module docstring. Every rank computes the same full values and keeps its slice.
-    Raises `ValueError` where `check_init` would name a module."""
-    for name, module in _children_first(model):
-        owned = _owned(module)
-        if not owned:
+def fill(model: nn.Module, values: Callable[[str], torch.Tensor | None]) -> list[str]:
+    """Copy into each parameter and buffer of `model` (possibly sharded DTensors) this rank's slice of
+    `values(name)`, the full tensor; a tied parameter is filled once. Returns the names `values` gave None for."""
+    skipped, done = [], set()
+    for name, tensor in _named_tensors(model):
+        if id(tensor) in done:
             continue
-        values = reset_module(module, name, seed)
-        for key, tensor in owned.items():
-            local = _local_slice(values[key], tensor)
-            target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            target.copy_(local.to(device=target.device, dtype=target.dtype))
+        done.add(id(tensor))
+        full = values(name)
+        if full is None:
+            skipped.append(name)
+            continue
+        target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        target.copy_(_local_slice(full, tensor).to(device=target.device, dtype=target.dtype))
+    return skipped
+
+
+def materialize(model: nn.Module, device: torch.device | str, trace: InitTrace, seed: int) -> None:
+    """Give a meta `model` (as `record_build` built it, possibly pipeline-cut, tensor-parallel and FSDP-sharded
+    since) storage on `device` and its initial values: each rank replays every tensor's closure on the CPU and keeps
+    its slice (module docstring). Ties are kept. Raises `KeyError` naming a tensor the trace does not know."""
+    groups = tie_groups(model)
+    model.to_empty(device=device)
+    retie(model, groups)
+    by_storage: dict[int, torch.Tensor] = {}
+
+    def value(name: str) -> torch.Tensor:
+        if name in trace.constants:
+            return trace.constants[name]
+        if name not in trace.tensors:
+            raise KeyError(f"{name!r} is not a tensor of the recorded model_fn()")
+        key = trace.tensors[name].storage
+        if key not in by_storage:
+            by_storage.clear()  # one full tensor at a time (ties are filled once, under the first name)
+            by_storage[key] = trace.value(name, seed)
+        return by_storage[key]
+
+    fill(model, value)
+
+
+FULL_BUILD_MAX_BYTES = 2**30  # "auto" builds a model of at most this many tensor bytes whole: exact, and cheap
+
+
+@dataclass(frozen=True)
+class InitChoice:
+    """How the workers build the model: `sharded` (record on meta, replay per tensor) or whole, and why."""
+
+    sharded: bool
+    reason: str
+
+
+def choose_init(mode: str, model_fn: Callable[[], nn.Module], seed: int, *, prefer_sharded: bool = False) -> InitChoice:
+    """Decide `ParallelConfig.init` for `model_fn` on the driver (every worker follows the decision):
+
+    - "full": the full build.
+    - "meta": the sharded build; `ValueError` naming the reason when `check_trace` (or the recording) refuses it.
+    - "auto": the full build for a model of at most `FULL_BUILD_MAX_BYTES` (exactly what `model_fn` gives; unless
+      `prefer_sharded`, e.g. pretrained weights replace the init anyway), else the sharded build when it reproduces
+      the model, else the full build with the reason.
+    """
+    if mode == "full":
+        return InitChoice(False, "init 'full' was asked for")
+    try:
+        built = record_build(model_fn)
+    except Exception as err:
+        blocker: str | None = f"model_fn cannot be recorded without memory ({type(err).__name__}: {err})"
+    else:
+        size = sum(t.numel() * t.element_size() for _, t in _unique_tensors(built.model))
+        if mode == "auto" and size <= FULL_BUILD_MAX_BYTES and not prefer_sharded:
+            return InitChoice(
+                False,
+                f"{size / 2**20:.3g} MiB of parameters and buffers <= {FULL_BUILD_MAX_BYTES / 2**30:g} GiB: "
+                "built whole on every rank, exactly as model_fn builds it",
+            )
+        blocker = check_trace(built.trace, seed)
+    if blocker is None:
+        return InitChoice(True, "recorded on the meta device; each rank replays and keeps only its shard")
+    if mode == "meta":
+        raise ValueError(blocker)
+    return InitChoice(False, f"built whole on every rank: {blocker}")
+
+
+def _unique_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    seen: set[int] = set()
+    for name, tensor in _named_tensors(model):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            yield name, tensor

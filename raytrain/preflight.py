@@ -139,3 +139,45 @@ def _loss_error(loss_fn: Callable[..., Any], err: Exception, rows: int, columns:
         f"loss_fn {_name(loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with columns "
         f"{columns}"
     )
+
+
+def check_stage_ties(
+    model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFactory, pp: int, lr: float
+) -> list[str]:
+    """With `pp` > 1 stages, a parameter tied across stages is a copy on each (`raytrain.parallel.pipeline.
+    StageTie`); every copy must get the same optimizer options, or the copies drift apart. `optimizer_fn` sees
+    each stage's own names, so a rule by name can put them in different groups: `ConfigError` naming the tie, the
+    stages and the option. Returns one line per tie for the log."""
+    from raytrain.parallel.pipeline import keep_stage, stage_ties
+
+    ties = stage_ties(build_model_for_check(model_fn), pp)
+    options: dict[tuple[int, int], dict[str, Any]] = {}
+    for stage in sorted({stage for tie in ties for stage in tie.names}):
+        model = build_model_for_check(model_fn)
+        keep_stage(model, stage, pp)
+        optimizer = call_optimizer_fn(optimizer_fn, model, lr)
+        for index, tie in enumerate(ties):
+            if stage in tie.names:
+                parameter = model.get_parameter(tie.names[stage])
+                group = next(g for g in optimizer.param_groups if any(p is parameter for p in g["params"]))
+                options[index, stage] = {key: value for key, value in group.items() if key != "params"}
+    lines = []
+    for index, tie in enumerate(ties):
+        (first, name), *others = tie.names.items()
+        for stage, other in others:
+            differ = sorted(
+                k for k in options[index, first] if options[index, first][k] != options[index, stage].get(k)
+            )
+            if differ:
+                key = differ[0]
+                raise ConfigError(
+                    f"optimizer_fn {_name(optimizer_fn)} gives the tied parameter {name!r} (pipeline stage {first}) "
+                    f"{key}={options[index, first][key]!r} but its copy {other!r} (stage {stage}) "
+                    f"{key}={options[index, stage].get(key)!r}: choose its group by something both names share "
+                    "(e.g. the parameter's shape), as one process would see only the first name"
+                )
+        lines.append(
+            f"pipeline: {' = '.join(tie.names.values())} is tied across stages {', '.join(map(str, tie.names))}: a "
+            "copy on each, gradients summed over them"
+        )
+    return lines

@@ -187,15 +187,26 @@ class GPTBlock(nn.Module):
 
 class GPT(nn.Module):
     """A tiny decoder-only transformer for tensor- and pipeline-parallel runs: token and position embeddings,
-    `blocks` `GPTBlock`s, a final norm and a linear head. Tokens [n, T] -> logits [n, T, vocab]."""
+    `blocks` `GPTBlock`s, a final norm and a linear head. Tokens [n, T] -> logits [n, T, vocab]. With
+    `tie_embeddings` the head has no bias and shares its weight with the token embedding (GPT-2's tie)."""
 
-    def __init__(self, vocab: int = 16, context: int = 8, width: int = 32, head_dim: int = 8, blocks: int = 2) -> None:
+    def __init__(
+        self,
+        vocab: int = 16,
+        context: int = 8,
+        width: int = 32,
+        head_dim: int = 8,
+        blocks: int = 2,
+        tie_embeddings: bool = False,
+    ) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(context, width)
         self.blocks = nn.ModuleList(GPTBlock(width, head_dim) for _ in range(blocks))
         self.norm = nn.LayerNorm(width)
-        self.head = nn.Linear(width, vocab)
+        self.head = nn.Linear(width, vocab, bias=not tie_embeddings)
+        if tie_embeddings:
+            self.head.weight = self.token.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [n, T, vocab] for tokens [n, T]."""

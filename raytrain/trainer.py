@@ -361,7 +361,8 @@ class ElasticTrainer:
         """Build the model on the meta device and the optimizer over it (shardable for zero1), decide how the
         workers build the model (`ParallelConfig.init`) and say why; raise `ConfigError` naming the function that
         fails. Called by `fit` before any worker starts."""
-        from raytrain.model_init import check_init
+        from raytrain.model_init import choose_init
+        from raytrain.parallel.apply import fsdp_units
         from raytrain.preflight import build_model_for_check, check_optimizer_fn
 
         model = build_model_for_check(self.model_fn)
@@ -371,28 +372,25 @@ class ElasticTrainer:
             from raytrain.preflight import check_units_fn
 
             check_units_fn(self.units_fn, model)
+        fsdp_units(model, self.units_fn)  # a tie split over FSDP units is refused here
         from raytrain.parallel.layout import check_model_parallel
 
         if self.layout_reason:
             say(self.layout_reason)
         for line in check_model_parallel(self.model_fn, *spec.parallel.degrees, self.tp_plan_fn):
             say(line)
-        mode = spec.parallel.init
-        if mode == "full":
-            blocker: str | None = "init 'full' was asked for"
-        elif not all(p.is_meta for p in model.parameters()):
-            blocker = "model_fn cannot build on the meta device"
-        else:
-            blocker = check_init(model, spec.loop.seed)
-        if blocker is not None and mode == "meta":
-            raise ConfigError(f"init 'meta' is not possible for this model: {blocker}; use init 'auto' or 'full'")
-        self.meta_init = blocker is None
-        how = (
-            "on the meta device; each rank materializes only its shard"
-            if self.meta_init
-            else f"whole on every rank ({blocker})"
-        )
-        say(f"model init: {how}")
+        if spec.parallel.degrees[1] > 1:
+            from raytrain.preflight import check_stage_ties
+
+            lr = spec.lr.peak_lr(spec.batch.global_batch)
+            for line in check_stage_ties(self.model_fn, self.optimizer_fn, spec.parallel.degrees[1], lr):
+                say(line)
+        try:
+            choice = choose_init(spec.parallel.init, self.model_fn, spec.loop.seed)
+        except ValueError as err:
+            raise ConfigError(f"init 'meta' is not possible for this model: {err}; use init 'auto' or 'full'") from None
+        self.meta_init = choice.sharded
+        say(f"model init: {choice.reason}")
 
     def check_loss_fn(self, sample: dict[str, Any]) -> None:
         """Run `loss_fn` on `sample` (a few real training rows) with the model, before any worker starts:

@@ -34,6 +34,7 @@ from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import describe_lr_on_resume
+from raytrain.model_init import InitTrace, record_build
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
 from raytrain.parallel.apply import (
     SYNC_LAST_MICRO_STEP,
@@ -44,9 +45,10 @@ from raytrain.parallel.apply import (
     backward_sync,
     micro_step,
     step_policy,
+    tied_gradients,
 )
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import check_losses, gpipe_step, widen
+from raytrain.parallel.pipeline import check_losses, gpipe_step, stage_ties, widen
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, plan_of
 from raytrain.rank0 import Rank0Log
@@ -136,11 +138,13 @@ def train_step(
         local_sum = _micro_steps(model, loss_fn, micro_batches, scale, policy, scaler)
     if policy.all_reduce_gradients:
         all_reduce_gradients(model.parameters(), policy.dp_group, replicas)
+    if policy.stage_ties:
+        tied_gradients(model, policy)
     fault_point("optimizer")
     if scaler is not None:
         scaler.unscale_(optimizer)
     loss_sum = all_reduce_sum(local_sum if policy.counts_loss else 0.0)
-    norm = global_grad_norm(model.parameters())
+    norm = global_grad_norm(policy.norm_parameters(model) if policy.stage_ties else model.parameters())
     if policy.pp_group is not None:  # each stage holds its own parameters: the squares add up over the pipeline
         norm = torch.tensor(math.sqrt(all_reduce_sum(float(norm) ** 2, policy.pp_group)), dtype=norm.dtype)
     finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
@@ -264,14 +268,15 @@ class Run:
         return self.peak_lr * self.spec.lr.factor(step, total)
 
 
-def build_model(job: WorkerJob) -> nn.Module:
-    """The user's model: on the meta device when the driver found that it initialises module by module (each
-    rank then materializes only its shard), else whole on the CPU after seeding; the same weights at every W."""
+def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
+    """The user's model and how to initialise it: on the meta device with the trace of its construction when the
+    driver chose the sharded build (each rank then materializes only its shard, `raytrain.model_init`), else whole
+    on the CPU after `torch.manual_seed(seed)` with no trace; the same weights at every W either way."""
     if job.meta_init:
-        with torch.device("meta"):
-            return job.model_fn()
+        built = record_build(job.model_fn)
+        return built.model, built.trace
     torch.manual_seed(job.spec.loop.seed)
-    return job.model_fn()
+    return job.model_fn(), None
 
 
 def _run_dir_of(checkpoint_path: str) -> str:
@@ -427,7 +432,8 @@ def start_run(job: WorkerJob) -> Run:
     faults.arm(job.run_dir, rank, world)
 
     began = time.perf_counter()
-    model = build_model(job)
+    model, trace = build_model(job)
+    ties = stage_ties(model, dims.pp) if dims.pp > 1 else []  # of the whole model, before the stage is cut
     parallel = spec.parallel
     tp_plan = plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None  # checked on the driver, resolved per stage
     layout = resolve_layout(
@@ -453,6 +459,7 @@ def start_run(job: WorkerJob) -> Run:
         mesh=mesh,
         tp_plan=tp_plan,
         stage=coords.pp,
+        init=trace,
         seed=spec.loop.seed,
         precision=parallel.precision,
         activation_checkpointing=parallel.activation_checkpointing,
@@ -460,7 +467,7 @@ def start_run(job: WorkerJob) -> Run:
         units_fn=job.units_fn,
         log=log.print,
     )
-    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords)
+    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords, ties)
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)

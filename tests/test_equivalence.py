@@ -30,7 +30,7 @@ from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
 from raytrain.data.materialized import rank_micro_batches as _rank_micro_batches
-from raytrain.model_init import init_weights
+from raytrain.model_init import materialize, record_build
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
 from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy
 from raytrain.testing.multiprocess import run_world
@@ -182,16 +182,18 @@ class BlockModel(nn.Module):
         return self.head(h)
 
 
+def _block_model(dtype: torch.dtype) -> nn.Module:
+    return BlockModel().to(dtype)
+
+
 def _build_model(case: Case | None = None, *, on_meta: bool = False) -> nn.Module:
-    """The case's model: the small MLP (seeded, on the CPU) or the block model (on meta for the workers; for the
-    reference materialized and initialised the way raytrain does it, from the seed and module names)."""
+    """The case's model: the small MLP (seeded, on the CPU) or the block model (recorded on meta for the workers;
+    for the reference materialized and initialised the way raytrain does it, replaying the recording)."""
     if case is not None and case.blocks:
-        with torch.device("meta"):
-            model = BlockModel().to(case.dtype)
+        built = record_build(functools.partial(_block_model, case.dtype))
         if not on_meta:
-            model.to_empty(device="cpu")
-            init_weights(model, seed=0)
-        return model
+            materialize(built.model, "cpu", built.trace, seed=0)
+        return built.model
     torch.manual_seed(0)
     if case is not None and case.dropout:
         return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1)).double()
@@ -326,11 +328,13 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     device = torch.device("cpu")
+    built = record_build(functools.partial(_block_model, case.dtype)) if case.blocks else None
     model = apply_parallelism(
-        _build_model(case, on_meta=True),
+        built.model if built is not None else _build_model(case),
         case.strategy,
         device,
         case.world,
+        init=built.trace if built is not None else None,
         seed=0,
         precision=case.precision,
         activation_checkpointing=case.checkpointing,

@@ -1,17 +1,19 @@
-"""Building on meta and initialising module by module; FSDP units found in other libraries' module structures;
-the memory tracker; the loop's memory accounting and layout choice (pure: no process group, no Ray)."""
+"""FSDP units found in other libraries' module structures, and ties kept whole by units, tensor parallelism and
+pipeline stages; the driver's init choice; the memory tracker; the loop's memory accounting and layout choice
+(pure: no process group, no Ray). The init contract itself: `test_init_contract.py`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_init_contract import LeavesEmpty
 from torch import nn
+from user_models import NanoGPT
 
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import loop_memory
 from raytrain.memory_tracker import LiveBytes
-from raytrain.model_init import build_on_meta, check_init, init_weights
-from raytrain.parallel.apply import fsdp_units, repeated_blocks
+from raytrain.parallel.apply import fsdp_units, has_forward, repeated_blocks, split_ties
 from raytrain.parallel.strategy import choose_layout, unit_params
 
 
@@ -61,54 +63,48 @@ def test_without_repeated_blocks_units_are_the_direct_children_and_a_hook_overri
     assert units == [mlp[2]] and why == "1 units from units_fn"
 
 
-def test_meta_build_then_init_is_deterministic_and_independent_of_other_modules() -> None:
-    def build() -> nn.Module:
-        return GPT2Like()
-
-    first, second = build_on_meta(build), build_on_meta(build)
-    assert first is not None and second is not None and all(p.is_meta for p in first.parameters())
-    for model in (first, second):
-        model.to_empty(device="cpu")
-        init_weights(model, seed=7)
-    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
-        assert torch.equal(a, b), name
-    # torch's own initialisation semantics are kept: LayerNorm weights 1, MultiheadAttention's in-proj bias 0.
-    assert torch.equal(first.transformer.ln_f.weight, torch.ones(16))
-    assert torch.count_nonzero(first.transformer.h[0].self_attn.in_proj_bias) == 0
-    # A module's values depend on the seed and its name only: another seed changes them.
-    other = build_on_meta(build)
-    assert other is not None
-    other.to_empty(device="cpu")
-    init_weights(other, seed=8)
-    assert not torch.equal(other.lm_head.weight, first.lm_head.weight)
+def test_a_tie_is_never_split_over_fsdp_units() -> None:
+    model = NanoGPT()  # wte (root child) tied to lm_head; blocks are ModuleDicts, which FSDP cannot shard
+    units, why = fsdp_units(model)
+    assert model.wte not in units and model.lm_head not in units
+    assert "left to the root (they share a tied parameter" in why and "wte" in why and "lm_head" in why
+    assert all(has_forward(unit) for unit in units)
+    with pytest.raises(ConfigError, match=r"units_fn puts the tied parameter wte.weight = lm_head.weight in different"):
+        fsdp_units(model, lambda m: [m.wte, m.lm_head])
+    assert split_ties(model, [model.wpe]) == []
 
 
-class OwnInit(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.randn(3))  # initialised in __init__ only: lost on meta
+def test_a_tied_layer_cannot_be_split_by_tensor_parallelism() -> None:
+    from raytrain.parallel.tensor import resolve_plan
+    from raytrain.toy import GPT
+
+    tied = GPT(tie_embeddings=True)
+    assert resolve_plan(tied, tied.tp_plan(), 2)  # the plan leaves the head whole
+    with pytest.raises(ConfigError, match=r"tp plan: 'head' is colwise but its parameter is tied"):
+        resolve_plan(tied, {**tied.tp_plan(), "head": "colwise"}, 2)
 
 
-class ForgetsBuffer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(2, 2)
-        self.register_buffer("freqs", torch.arange(4.0))
+def test_a_tie_across_pipeline_stages_needs_one_optimizer_group() -> None:
+    from raytrain.preflight import check_stage_ties
 
-    def reset_parameters(self) -> None:  # resets nothing of its own: `freqs` would be garbage after meta
-        pass
+    def by_position(model: nn.Module, lr: float) -> torch.optim.Optimizer:  # the first layer at half the LR
+        named = list(model.named_parameters())
+        first = {"params": [p for n, p in named if n.startswith("0.")], "lr": lr / 2}
+        return torch.optim.AdamW([first, {"params": [p for n, p in named if not n.startswith("0.")]}], lr=lr)
 
+    def tied_sequential() -> nn.Module:
+        model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False))
+        model[3].weight = model[0].weight
+        return model
 
-def test_check_init_names_the_module_that_cannot_be_initialised_on_meta() -> None:
-    for model_fn, message in (
-        (lambda: nn.Sequential(nn.Linear(2, 2), OwnInit()), "module '1' (OwnInit) owns parameters or buffers but"),
-        (lambda: nn.Sequential(ForgetsBuffer()), "module '0' (ForgetsBuffer): reset_parameters() leaves ['freqs']"),
+    lines = check_stage_ties(tied_sequential, lambda params, lr: torch.optim.AdamW(params, lr=lr), 2, 1e-3)
+    assert lines == [
+        "pipeline: 0.weight = 3.weight is tied across stages 0, 1: a copy on each, gradients summed over them"
+    ]
+    with pytest.raises(
+        ConfigError, match=r"gives the tied parameter '0.weight' \(pipeline stage 0\) lr=0.0005 but its"
     ):
-        model = build_on_meta(model_fn)
-        assert model is not None
-        blocker = check_init(model, seed=0)
-        assert blocker is not None and blocker.startswith(message), blocker
-    assert check_init(build_on_meta(GPT2Like), seed=0) is None  # type: ignore[arg-type]
+        check_stage_ties(tied_sequential, by_position, 2, 1e-3)
 
 
 def test_live_bytes_counts_allocations_frees_and_in_place_resizes() -> None:
@@ -176,16 +172,17 @@ def _trainer(model_fn, **parallel):  # type: ignore[no-untyped-def]
 
 
 def test_the_driver_decides_how_workers_build_the_model_and_says_why(capsys: pytest.CaptureFixture[str]) -> None:
-    meta = _trainer(GPT2Like)
+    _trainer(GPT2Like).check_user_functions()
+    assert "model init: " in capsys.readouterr().out
+    meta = _trainer(GPT2Like, init="meta")
     meta.check_user_functions()
     assert meta.meta_init
-    assert "model init: on the meta device; each rank materializes only its shard" in capsys.readouterr().out
-    full = _trainer(lambda: nn.Sequential(nn.Linear(2, 2), OwnInit()))
+    assert "model init: recorded on the meta device; each rank replays" in capsys.readouterr().out
+    full = _trainer(GPT2Like, init="full")
     full.check_user_functions()
-    assert not full.meta_init
-    assert "model init: whole on every rank (module '1' (OwnInit) owns parameters" in capsys.readouterr().out
-    forced = _trainer(lambda: nn.Sequential(nn.Linear(2, 2), OwnInit()), init="meta")
-    with pytest.raises(ConfigError, match=r"init 'meta' is not possible for this model: module '1' \(OwnInit\)"):
+    assert not full.meta_init and "model init: init 'full' was asked for" in capsys.readouterr().out
+    forced = _trainer(LeavesEmpty, init="meta")
+    with pytest.raises(ConfigError, match=r"init 'meta' is not possible for this model: 'scale' is created with"):
         forced.check_user_functions()
 
 

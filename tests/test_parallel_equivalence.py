@@ -30,9 +30,11 @@ from torch import nn
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.materialized import rank_micro_batches
+from raytrain.model_init import MetaBuild, record_build, tie_groups
 from raytrain.optim import build_optimizer, call_optimizer_fn
-from raytrain.parallel.apply import apply_parallelism, step_policy
+from raytrain.parallel.apply import apply_parallelism, step_policy, unwrap
 from raytrain.parallel.dims import ParallelDims
+from raytrain.parallel.pipeline import stage_ties
 from raytrain.parallel.tensor import resolve_plan
 from raytrain.testing.multiprocess import run_world
 from raytrain.toy import (
@@ -80,16 +82,22 @@ CASES = {
     2: [
         Case(2, 2, "ddp", cap=3),  # tp 2, dp 1: k = 3 (2 + 2 + 3)
         Case(2, 1, "ddp", cap=3, pp=2, model="blocks", optimizer="adamw_named"),  # pp 2, dp 1: 2 + 2 + 3
+        # the embedding on stage 0 and the head tied to it on stage 1: gradients summed over the two stages
+        Case(2, 1, "ddp", cap=3, pp=2, model="tied_seq", optimizer="adamw_ndim"),
     ],
     4: [  # tp 2 x dp 2: 4 + 3 samples, k = 2
         Case(4, 2, "ddp", cap=2),
         Case(4, 2, "zero2", cap=2),
         Case(4, 2, "zero3", cap=2),
+        Case(4, 2, "zero3", cap=2, model="tied_gpt"),  # the tied embedding and head stay whole under tp
+        Case(4, 1, "zero1", cap=2, model="tied_gpt"),  # dp 4: DDP + the sharded optimizer
+        Case(4, 1, "zero2", cap=2, model="tied_gpt"),
         Case(4, 2, "zero3", cap=2, optimizer="sgd"),
         # AdamW and clipping are blind to a constant gradient scale: the control uses SGD without clipping
         Case(4, 2, "zero3", cap=2, optimizer="sgd", wrong_scale=True),
         Case(4, 1, "ddp", cap=2, pp=2, model="blocks", optimizer="adamw_named"),  # pp 2 x dp 2: 4 + 3, k = 2
         Case(4, 1, "zero3", cap=2, pp=2, model="blocks", optimizer="adamw_named"),
+        Case(4, 1, "zero3", cap=2, pp=2, model="tied_seq", optimizer="adamw_ndim"),
         Case(4, 2, "ddp", cap=3, pp=2, model="blocks", optimizer="adamw_named"),  # tp 2 x pp 2, dp 1: k = 3
         Case(4, 2, "ddp", cap=3, pp=2, model="mlp", optimizer="adamw_named"),  # the TP plan names top-level units
         Case(4, 2, "ddp", cap=3, pp=2, model="mlp", optimizer="sgd"),
@@ -110,16 +118,51 @@ def _positions(step: int) -> np.ndarray:
     return np.random.default_rng(step).permutation(64)[:GLOBAL_BATCH]
 
 
-def _meta_model(model: str) -> nn.Module:
-    with torch.device("meta"):
-        built = {"blocks": lambda: block_mlp(8, 16, blocks=4), "mlp": lambda: mlp(8, 32), "gpt": lambda: GPT(**SHAPE)}[
-            model
-        ]()
-        return built.to(torch.float64)
+class TiedSequential(nn.Sequential):
+    """A per-token language model as one `nn.Sequential` whose head shares the embedding's weight (GPT-2's tie):
+    a pipeline puts the two on different stages."""
+
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(3)]
+        super().__init__(nn.Embedding(vocab, width), *blocks, nn.Linear(width, vocab, bias=False))
+        self[-1].weight = self[0].weight
 
 
-LOSSES = {"gpt": next_token_loss, "blocks": squared_error, "mlp": squared_error}
-TP_PLANS = {"gpt": lambda model: model.tp_plan(), "blocks": block_mlp_tp_plan, "mlp": mlp_tp_plan}
+def _tied_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    logits = model(batch["x"])
+    return (
+        nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="none")
+        .view(batch["y"].shape)
+        .mean(dim=1)
+    )
+
+
+BUILDERS = {
+    "blocks": lambda: block_mlp(8, 16, blocks=4).to(torch.float64),
+    "mlp": lambda: mlp(8, 32).to(torch.float64),
+    "gpt": lambda: GPT(**SHAPE).to(torch.float64),
+    "tied_gpt": lambda: GPT(**SHAPE, tie_embeddings=True).to(torch.float64),
+    "tied_seq": lambda: TiedSequential().to(torch.float64),
+}
+
+
+def _meta_model(model: str) -> MetaBuild:
+    return record_build(BUILDERS[model])
+
+
+LOSSES = {
+    "gpt": next_token_loss,
+    "tied_gpt": next_token_loss,
+    "tied_seq": _tied_loss,
+    "blocks": squared_error,
+    "mlp": squared_error,
+}
+TP_PLANS = {
+    "gpt": lambda model: model.tp_plan(),
+    "tied_gpt": lambda model: model.tp_plan(),
+    "blocks": block_mlp_tp_plan,
+    "mlp": mlp_tp_plan,
+}
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -140,9 +183,21 @@ def _adamw_named_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
 
 
+def _adamw_by_ndim(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices only: the groups of a parameter tied across pipeline stages agree on
+    every stage (a rule by name would see another name on each)."""
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, weight_decay=0.1)
+
+
 OPTIMIZERS = {  # name -> (optimizer_fn, max_grad_norm)
     "adamw": (adamw_groups, MAX_GRAD_NORM),
     "adamw_named": (_adamw_named_groups, MAX_GRAD_NORM),
+    "adamw_ndim": (_adamw_by_ndim, MAX_GRAD_NORM),
     "sgd": (sgd, None),
 }
 
@@ -151,7 +206,8 @@ OPTIMIZERS = {  # name -> (optimizer_fn, max_grad_norm)
 def _reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
     """Plain torch in one process, from the same (seed, module name) initial weights."""
     optimizer_fn, max_norm = OPTIMIZERS[optimizer_name]
-    model = apply_parallelism(_meta_model(model_name), "ddp", torch.device("cpu"), 1, seed=0)
+    built = _meta_model(model_name)
+    model = apply_parallelism(built.model, "ddp", torch.device("cpu"), 1, init=built.trace, seed=0)
     optimizer = call_optimizer_fn(optimizer_fn, model, LR)
     columns = _columns(model_name)
     for step in range(STEPS):
@@ -164,21 +220,41 @@ def _reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
             if step == 0:
                 assert norm > max_norm, f"norm {norm} does not clip; lower MAX_GRAD_NORM"
         optimizer.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _check_ties(model: nn.Module, optimizer: torch.optim.Optimizer, built: MetaBuild) -> None:
+    """Each tie of the built model that lies on this rank is one parameter with one optimizer state."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for group in tie_groups(built.model):
+        here = [name for name in group if name in names]
+        assert len({id(model.get_parameter(name)) for name in here}) <= 1, f"{here} are no longer one parameter"
+    grouped = [id(p) for group in optimizer.param_groups for p in group["params"]]
+    assert len(grouped) == len(set(grouped)) == len(list(model.parameters())), "a parameter optimized twice"
 
 
 def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     dims = ParallelDims.of(case.world, tp=case.tp, pp=case.pp)
     mesh = dims.build_mesh("cpu")
     coords = dims.coords(rank)
-    model = _meta_model(case.model)
+    built = _meta_model(case.model)
+    model = built.model
+    ties = stage_ties(model, dims.pp) if dims.pp > 1 else []
     plan = resolve_plan(model, TP_PLANS[case.model](model), dims.tp) if dims.tp > 1 else None
     model = apply_parallelism(
-        model, case.strategy, torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, seed=0
+        model,
+        case.strategy,
+        torch.device("cpu"),
+        dims,
+        mesh=mesh,
+        tp_plan=plan,
+        stage=coords.pp,
+        init=built.trace,
+        seed=0,
     )
     optimizer_fn, max_norm = OPTIMIZERS[case.optimizer]
     optimizer = build_optimizer(model, optimizer_fn, LR, case.strategy)
-    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords)
+    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties)
     batch_plan = plan_batch(GLOBAL_BATCH, case.cap, dims.dp)
     replica = coords.dp
     columns = _columns(case.model)
@@ -186,7 +262,9 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
         micro = rank_micro_batches(columns, _positions(step), batch_plan, replica, torch.device("cpu"))
         replicas = case.world if case.wrong_scale else dims.dp
         train_step(model, optimizer, LOSSES[case.model], micro, replicas, GLOBAL_BATCH, max_norm, policy)
-    return {name: _full(p) for name, p in model.named_parameters()}  # a pipeline stage: its own parameters
+    _check_ties(unwrap(model), optimizer, built)
+    # a pipeline stage: its own parameters, a tied one under each of its names here
+    return {name: _full(p) for name, p in unwrap(model).named_parameters(remove_duplicate=False)}
 
 
 def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
@@ -243,9 +321,11 @@ def _build(layout: dict[str, object], world: int, rank: int) -> tuple[nn.Module,
     dims = ParallelDims.of(world, tp=int(layout["tp"]), pp=int(layout["pp"]))  # type: ignore[call-overload]
     mesh, coords = dims.build_mesh("cpu"), dims.coords(rank)
     name = str(layout["model"])
-    model = _meta_model(name)
-    plan = resolve_plan(model, TP_PLANS[name](model), dims.tp) if dims.tp > 1 else None
-    model = apply_parallelism(model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp)
+    built = _meta_model(name)
+    plan = resolve_plan(built.model, TP_PLANS[name](built.model), dims.tp) if dims.tp > 1 else None
+    model = apply_parallelism(
+        built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace
+    )
     optimizer = build_optimizer(model, _adamw_named_groups, LR, "ddp")
     return model, optimizer, (dims, coords, step_policy("ddp", dims, "fp32", "unsharded", mesh, coords))
 

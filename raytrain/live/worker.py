@@ -72,12 +72,11 @@ class LiveWorker:
         assert isinstance(job.data, IndexedData), "live mode trains on deterministic mode's IndexedData"
         self.job, self.settings, self.log = job, settings, log
         spec = job.spec
-        self.model = build_model(job)
-        if job.meta_init:  # as the restart path's ddp does: materialize, then initialise from (seed, module)
-            from raytrain.model_init import init_weights
+        self.model, trace = build_model(job)
+        if trace is not None:  # as the restart path's ddp does: materialize, replaying the recorded construction
+            from raytrain.model_init import materialize
 
-            self.model.to_empty(device="cpu")
-            init_weights(self.model, spec.loop.seed)
+            materialize(self.model, "cpu", trace, spec.loop.seed)
         self.global_batch = spec.batch.global_batch
         self.peak_lr = spec.lr.peak_lr(self.global_batch)
         self.optimizer = call_optimizer_fn(job.optimizer_fn, self.model, self.peak_lr)

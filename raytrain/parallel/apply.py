@@ -13,7 +13,8 @@ Strategy mapping (ZeRO stage -> PyTorch mechanism):
 `raytrain.parallel.pipeline`), tensor parallel over the mesh's "tp" dimension
 (`raytrain.parallel.tensor`), activation checkpointing per block, `torch.compile` per block, FSDP units over the
 "dp" dimension (each repeated block, then the root, with the mixed-precision policy), materialize the meta model on
-the device and initialise it (`raytrain.model_init`: only each rank's shard), DDP. With one data-parallel replica
+the device and initialise it (`raytrain.model_init.materialize`: each rank replays the recorded construction and
+keeps its shard; ties stay ties), DDP. With one data-parallel replica
 nothing is sharded or wrapped on the dp axis: there is nobody to synchronise with.
 
 With tensor or pipeline parallelism (`ParallelDims.model_parallel`) the dp axis is FSDP2 over `mesh["dp"]` for
@@ -35,7 +36,7 @@ over the global batch. The ranks of one TP group compute the same loss on the sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,9 +44,9 @@ import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
-from raytrain.model_init import init_weights
+from raytrain.model_init import InitTrace, materialize, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
-from raytrain.parallel.pipeline import Neighbours, keep_stage
+from raytrain.parallel.pipeline import Neighbours, StageTie, keep_stage
 from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
 
 UnitsFn = Callable[[nn.Module], list[nn.Module]]
@@ -67,6 +68,8 @@ class StepPolicy:
         layout only the last pipeline stage's first tp rank of each replica counts, once per replica.
     pipeline: this rank's neighbours in its replica's pipeline (pp > 1: the step runs `gpipe_step`), else None.
     pp_group: the process group of this rank's pipeline (pp > 1): the stages' gradient norms are summed over it.
+    stage_ties: for each parameter tied across pipeline stages that this stage holds: (its name here, the process
+        group of the stages holding it, whether this stage counts it in the gradient norm: the first one only).
     """
 
     reduce_every_micro_step: bool = False
@@ -77,6 +80,13 @@ class StepPolicy:
     counts_loss: bool = True
     pipeline: Neighbours | None = None
     pp_group: Any = None
+    stage_ties: tuple[tuple[str, Any, bool], ...] = ()
+
+    def norm_parameters(self, model: nn.Module) -> list[torch.Tensor]:
+        """The parameters this rank counts in the global gradient norm: all but the copies of a tie held by an
+        earlier stage too."""
+        skip = {id(model.get_parameter(name)) for name, _, counts in self.stage_ties if not counts}
+        return [p for p in model.parameters() if id(p) not in skip]
 
 
 SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step, full precision
@@ -84,7 +94,7 @@ SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every repeated block: the children of each `nn.ModuleList` / `nn.Sequential` whose
-    children are two or more modules of one class that own parameters. Outermost only: a block's inner lists
+    children are two or more callable modules of one class that own parameters. Outermost only: a block's inner lists
     are part of the block. `nn.Identity` children are ignored (a pipeline stage's placeholders for other stages'
     blocks)."""
     blocks: list[tuple[str, nn.Module]] = []
@@ -96,23 +106,75 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             continue
         children = [(n, child) for n, child in module.named_children() if not isinstance(child, nn.Identity)]
         classes = {type(child) for _, child in children}
-        if len(children) >= 2 and len(classes) == 1 and any(True for _ in children[0][1].parameters()):
+        if (
+            len(children) >= 2
+            and len(classes) == 1
+            and has_forward(children[0][1])
+            and any(True for _ in children[0][1].parameters())
+        ):
             blocks += [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in children]
             taken += [f"{name}.{child_name}" if name else child_name for child_name, _ in children]
     return blocks
 
 
+def has_forward(module: nn.Module) -> bool:
+    """Whether `module` can be called (FSDP shards callable modules only: not an `nn.ModuleDict` or
+    `nn.ModuleList`, whose children the root's forward calls directly)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def fsdp_units(model: nn.Module, units_fn: UnitsFn | None = None) -> tuple[list[nn.Module], str]:
-    """The modules to shard as FSDP units before the root, and a one-line reason for the log."""
+    """The modules to shard as FSDP units before the root, and a one-line reason for the log.
+
+    A tied parameter (one parameter under several names) must be managed by one unit: a default unit holding a
+    name of a tie whose other names lie outside it is left to the root (and the reason says so); units from
+    `units_fn` that split a tie raise `ConfigError` naming the parameter and the units."""
     if units_fn is not None:
         units = list(units_fn(model))
+        split = split_ties(model, units)
+        if split:
+            names, unit_names = split[0]
+            raise ConfigError(
+                f"units_fn puts the tied parameter {' = '.join(names)} in different FSDP units "
+                f"({', '.join(unit_names)}): a parameter shared by several modules must be in one unit (or in none: "
+                "the root takes it)"
+            )
         return units, f"{len(units)} units from units_fn"
     blocks = repeated_blocks(model)
     if blocks:
         kind = type(blocks[0][1]).__name__
-        return [module for _, module in blocks], f"{len(blocks)} repeated blocks ({kind}) + root"
-    children = [child for child in model.children() if any(True for _ in child.parameters())]
-    return children, f"no repeated blocks: {len(children)} direct children with parameters + root"
+        units, why = [module for _, module in blocks], f"{len(blocks)} repeated blocks ({kind}) + root"
+    else:
+        units = [child for child in model.children() if has_forward(child) and any(True for _ in child.parameters())]
+        why = f"no repeated blocks: {len(units)} direct children with parameters + root"
+    split = split_ties(model, units)
+    if split:
+        dropped = {name for _, unit_names in split for name in unit_names}
+        units = [unit for name, unit in _named_units(model, units) if name not in dropped]
+        left = ", ".join(sorted(dropped - {"<root>"}))
+        why += f"; {left} left to the root (they share a tied parameter with other modules)"
+    return units, why
+
+
+def _named_units(model: nn.Module, units: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+    return [(names[id(unit)], unit) for unit in units]
+
+
+def split_ties(model: nn.Module, units: list[nn.Module]) -> list[tuple[list[str], list[str]]]:
+    """Each tied parameter whose names do not all lie in one of `units`: (its names, the units holding them, with
+    "<root>" for a name outside every unit). Empty when every tie is inside one unit or outside all of them."""
+    named = sorted(_named_units(model, units), key=lambda item: -item[0].count("."))  # innermost first
+
+    def unit_of(name: str) -> str:
+        return next((unit for unit, _ in named if name.startswith(unit + ".")), "<root>")
+
+    split = []
+    for group in tie_groups(model):
+        holders = list(dict.fromkeys(unit_of(name) for name in group))
+        if len(holders) > 1:
+            split.append((group, holders))
+    return split
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -143,6 +205,7 @@ def apply_parallelism(
     mesh: Any = None,
     tp_plan: TPPlan | None = None,
     stage: int = 0,
+    init: InitTrace | None = None,
     seed: int = 0,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
@@ -155,9 +218,10 @@ def apply_parallelism(
 
     A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`); for pp > 1 the rank keeps pipeline stage
     `stage` (`raytrain.parallel.pipeline.keep_stage`) and for tp > 1 `tp_plan` (module-name patterns ->
-    "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model is
-    materialized on `device` and initialised from `seed` after sharding, so each rank only ever allocates its
-    shard (plus one module's full parameters while initialising). Requires an initialised default process group
+    "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model
+    (`raytrain.model_init.record_build`, whose trace is `init`) is materialized on `device` and initialised from
+    `init` and `seed` after sharding, so each rank only ever allocates its shard (plus one tensor's full value
+    while initialising); a real model is moved to `device`. Requires an initialised default process group
     when the world has more than one rank. Returns the module to train. `log` receives one line per applied
     parallelism (tensor parallel, FSDP units).
     """
@@ -202,8 +266,9 @@ def apply_parallelism(
             largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
             log(f"FSDP units: {why}; largest unit {largest:,} parameters")
     if _is_meta(model):
-        model.to_empty(device=device)
-        init_weights(model, seed)
+        if init is None:
+            raise ValueError("a model on the meta device needs the trace of its construction (record_build)")
+        materialize(model, device, init, seed)
     else:
         model.to(device)
     if dims.dp > 1 and not dims.model_parallel and strategy in ("ddp", "zero1"):
@@ -219,9 +284,12 @@ def step_policy(
     grad_accumulation: str,
     mesh: Any = None,
     coords: Coords | None = None,
+    ties: Sequence[StageTie] = (),
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
-    `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel."""
+    `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel; `ties`
+    the parameters tied across its pipeline stages (`stage_ties` of the whole model; a collective when not empty:
+    one process group per tie and replica, made by every rank in the same order)."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
     policy = StepPolicy(
@@ -242,6 +310,7 @@ def step_policy(
         )
     return replace(
         policy,
+        stage_ties=_tie_groups(ties, dims, coords),
         dp_group=mesh["dp"].get_group(),
         all_reduce_gradients=dims.dp > 1 and strategy == "ddp",
         counts_loss=coords.tp == 0 and coords.pp == dims.pp - 1,
@@ -250,17 +319,60 @@ def step_policy(
     )
 
 
-def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: Any, replicas: int) -> None:
-    """Average the gradients over the data-parallel `group` of `replicas` ranks: one all-reduce per dtype over
-    the flattened local gradients (a DTensor's local shard: its TP sharding is the same on every replica)."""
+def _tie_groups(ties: Sequence[StageTie], dims: ParallelDims, coords: Coords) -> tuple[tuple[str, Any, bool], ...]:
+    """This rank's `StepPolicy.stage_ties`: for every tie, one process group per (dp, tp) position over the stages
+    holding it (`new_group` is collective: every rank creates every group)."""
+    import torch.distributed as dist
+
+    mine = []
+    for tie in ties:
+        for dp in range(dims.dp):
+            for tp in range(dims.tp):
+                ranks = [dims.rank_of(Coords(dp=dp, tp=tp, pp=stage)) for stage in tie.names]
+                group = dist.new_group(ranks)
+                if (dp, tp) == (coords.dp, coords.tp) and coords.pp in tie.names:
+                    mine.append((tie.names[coords.pp], group, coords.pp == min(tie.names)))
+    return tuple(mine)
+
+
+def tied_gradients(model: nn.Module, policy: StepPolicy) -> None:
+    """Sum the gradient of every parameter tied across pipeline stages over the stages holding it (after the
+    backward; a collective over each tie's stages), so that every copy holds the whole parameter's gradient."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    for name, group, _ in policy.stage_ties:
+        parameter = model.get_parameter(name)
+        if not parameter.requires_grad:
+            continue
+        if parameter.grad is None:  # this stage's copy was not used: it adds nothing
+            parameter.grad = torch.zeros_like(parameter)
+        grad = parameter.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: Any, replicas: int) -> None:
+    """Average the gradients over the data-parallel `group` of `replicas` ranks: one all-reduce per dtype over
+    the flattened local gradients (a DTensor's local shard: its TP sharding is the same on every replica).
+
+    Replicas may leave different parameters without a gradient (a branch their samples did not take): a first,
+    small all-reduce finds the parameters with a gradient on any replica; those are averaged with zeros standing
+    in where a replica has none (as one process on the whole batch would see them), the others stay None. So
+    every replica reduces the same parameters in the same order."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    trainable = [p for p in parameters if p.requires_grad]
+    has_grad = torch.tensor([p.grad is not None for p in trainable], dtype=torch.uint8)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            by_dtype.setdefault(local.dtype, []).append(local)
+    for p, anywhere in zip(trainable, has_grad.tolist(), strict=True):
+        if not anywhere:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        by_dtype.setdefault(local.dtype, []).append(local)
     for grads in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

@@ -99,6 +99,43 @@ def cut_stages(model: nn.Module, stages: int) -> StageCut:
     return StageCut(units, counts, stage_bounds(counts, stages))
 
 
+@dataclass(frozen=True)
+class StageTie:
+    """A parameter tied across pipeline stages (GPT-2's embedding and head): one name of it on each stage that
+    holds it, by stage. Every such stage keeps a copy; the copies start equal (one recorded tensor, or one seeded
+    build), their gradients are summed over those stages after every backward (`tied_gradients`) and they are
+    counted once in the gradient norm, so they stay equal: one parameter, as in a single process."""
+
+    names: dict[int, str]
+
+
+def stage_ties(model: nn.Module, stages: int) -> list[StageTie]:
+    """The tied parameters of the whole `model` whose names fall into different pipeline stages (in
+    `tie_groups` order, the same on every rank)."""
+    from raytrain.model_init import tie_groups
+
+    cut = cut_stages(model, stages)
+
+    def stage_of(name: str) -> int | None:
+        for stage, (start, end) in enumerate(cut.bounds):
+            if any(name.startswith(unit + ".") for _, _, unit in cut.units[start:end]):
+                return stage
+        return None  # a parameter of the root itself: on every stage
+
+    ties = []
+    for group in tie_groups(model):
+        names: dict[int, str] = {}
+        for name in group:
+            stage = stage_of(name)
+            if stage is None:
+                break
+            names.setdefault(stage, name)
+        else:
+            if len(names) > 1:
+                ties.append(StageTie(dict(sorted(names.items()))))
+    return ties
+
+
 def keep_stage(model: nn.Module, stage: int, stages: int) -> str:
     """Replace every pipeline unit outside stage `stage` of `stages` by `nn.Identity` (in place, on the meta or
     real model); returns one line for the log naming the stage's units."""

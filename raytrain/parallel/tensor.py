@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from raytrain.errors import ConfigError
+from raytrain.model_init import tie_groups
 
 TPStyle = str  # "colwise" or "rowwise"
 TPPlan = Mapping[str, TPStyle]
@@ -83,6 +84,14 @@ def resolve_plan(model: nn.Module, plan: TPPlan, tp: int, *, stage: bool = False
             resolved[name] = style
     if not resolved and not stage:
         raise ConfigError(f"the tp plan of {type(model).__name__} is empty: nothing would be split")
+    for group in tie_groups(model):
+        planned = [name for name in group if name.rpartition(".")[0] in resolved]
+        if planned:
+            raise ConfigError(
+                f"tp plan: {planned[0].rpartition('.')[0]!r} is {resolved[planned[0].rpartition('.')[0]]} but its "
+                f"parameter is tied ({' = '.join(group)}): a tied parameter stays whole, leave the module out of the "
+                "plan"
+            )
     return resolved
 
 

@@ -1,0 +1,141 @@
+"""Models as users bring them: written by others (torch.nn, transformers) or in their style (nanoGPT), each a
+picklable zero-argument builder. Shared by the init-contract, pretrained-weights and Ray tests.
+
+transformers' models are built from tiny configs (no download). ResNet comes from transformers too: torchvision
+does not import beside the CPU build of torch 2.13 that CI installs (its C++ operators are built for another
+torch), while transformers' ResNet is the same architecture (BasicLayer stages, BatchNorm with running statistics,
+kaiming-normal convolutions from its own `_init_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's structure and init, written as Karpathy writes it: standard torch layers, the embedding tied to the
+    head, a causal-mask buffer, `self.apply(self._init_weights)` at the root and a scaled init of the residual
+    projections by parameter name."""
+
+    def __init__(self, vocab: int = 32, context: int = 8, width: int = 16, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.h = nn.ModuleList(
+            nn.ModuleDict(
+                {"ln": nn.LayerNorm(width), "c_attn": nn.Linear(width, 3 * width), "c_proj": nn.Linear(width, width)}
+            )
+            for _ in range(layers)
+        )
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # https://paperswithcode.com/method/weight-tying
+        self.register_buffer("bias", torch.tril(torch.ones(context, context, dtype=torch.bool)))
+        self.register_buffer("steps", torch.tensor(7, dtype=torch.long))  # an integer buffer no reset touches
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                torch.nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        x = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        mask = self.bias[:t, :t]
+        for block in self.h:
+            q, k, v = block["c_attn"](block["ln"](x)).chunk(3, dim=-1)
+            att = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            x = x + block["c_proj"](att @ v)
+        return self.lm_head(self.ln_f(x))
+
+
+class ScaledResidual(nn.Module):
+    """A parent whose `reset_parameters` writes its child's weight (a depth-scaled residual init): the parent owns
+    no tensor itself."""
+
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.depth = depth
+        self.inner = nn.Linear(width, width)
+        self.out = nn.Linear(width, width)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.out.weight, std=0.02 / math.sqrt(2 * self.depth))
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.relu(self.inner(x)))
+
+
+def scaled_residual_stack() -> nn.Module:
+    """Blocks initialised by their parent, and a LayerNorm."""
+    return nn.Sequential(*(ScaledResidual() for _ in range(3)), nn.LayerNorm(16))
+
+
+def torch_transformer() -> nn.Module:
+    """`torch.nn.Transformer`, whose root `_reset_parameters` re-initialises every matrix (xavier uniform)."""
+    return nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True)
+
+
+def gpt2() -> nn.Module:
+    """transformers' GPT2LMHeadModel (tied head, Conv1D layers, its own `_init_weights`), tiny."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama(tie: bool = True) -> nn.Module:
+    """transformers' LlamaForCausalLM, tiny, with or without `tie_word_embeddings`."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def llama_untied() -> nn.Module:
+    return llama(tie=False)
+
+
+def resnet() -> nn.Module:
+    """transformers' ResNetForImageClassification (ResNet-18's basic blocks, BatchNorm), tiny."""
+    import transformers
+
+    config = transformers.ResNetConfig(
+        layer_type="basic", depths=[1, 1], hidden_sizes=[8, 16], embedding_size=8, num_labels=3
+    )
+    return transformers.ResNetForImageClassification(config)
+
+
+FAMILIES = {
+    "torch.nn.Transformer": torch_transformer,
+    "nanoGPT": NanoGPT,
+    "parent-resets-child": scaled_residual_stack,
+    "transformers.GPT2": gpt2,
+    "transformers.Llama-tied": llama,
+    "transformers.Llama": llama_untied,
+    "transformers.ResNet": resnet,
+}
