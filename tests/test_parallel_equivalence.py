@@ -394,3 +394,38 @@ def test_a_checkpoint_written_at_dp2_continues_at_dp1_with_tp_or_pp_fixed(reshar
         got.update(result[key]["after"])
     assert got.keys() == expected.keys()
     assert max(float((got[n] - expected[n]).abs().max()) for n in got) < TOLERANCE
+
+
+# ---------------------------------------------------------------- the by-hand dp all-reduce (ddp with tp or pp)
+
+
+def _unused_main(rank: int, world: int) -> dict[str, object]:
+    """Replica 0 uses layers a and b, replica 1 only b (as an expert no sample of a replica was routed to); c is
+    used by none. Every rank must end with the same averaged gradients."""
+    from raytrain.parallel.apply import all_reduce_gradients
+
+    torch.manual_seed(0)
+    layers = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3), "c": nn.Linear(3, 3)}).double()
+    x = torch.full((2, 3), float(rank + 1), dtype=torch.float64)
+    out = layers["b"](x)
+    if rank == 0:
+        out = out + layers["a"](x)
+    out.sum().backward()
+    local = {name: None if p.grad is None else p.grad.clone() for name, p in layers.named_parameters()}
+    all_reduce_gradients(layers.parameters(), dist.group.WORLD, world)
+    return {
+        "local": local,
+        "reduced": {n: None if p.grad is None else p.grad.clone() for n, p in layers.named_parameters()},
+    }
+
+
+def test_replicas_with_different_unused_parameters_reduce_the_same_parameters() -> None:
+    ranks = run_world(_unused_main, 2, timeout_s=60)
+    local = [r["local"] for r in ranks]
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        expected = sum(g[name] if g[name] is not None else 0 for g in local) / 2
+        for r in ranks:
+            assert torch.allclose(r["reduced"][name], expected), name
+    assert local[1]["a.weight"] is None  # replica 1 really had no gradient for a
+    for r in ranks:  # used by no replica: no gradient, as in one process
+        assert r["reduced"]["c.weight"] is None and r["reduced"]["c.bias"] is None
