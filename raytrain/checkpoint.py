@@ -69,6 +69,7 @@ class TrainState:
     base_batch: int = 0
     peak_lr: float = 0.0
     loss_scale: dict[str, Any] = field(default_factory=dict)  # fp16: the GradScaler's state
+    schedule: dict[str, Any] = field(default_factory=dict)  # the LR schedule's clock (`lr_rules.ScheduleClock`)
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
 

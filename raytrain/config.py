@@ -75,7 +75,8 @@ class LRConfig:
             same factor, so groups keep their ratios.
         min_lr_ratio: the decaying schedules' final LR as a fraction of the peak, in [0, 1].
         decay_steps: the steps the decay spans (>= 1); default: the run's total steps (`max_steps`, or the steps
-            `epochs` take at the global batch).
+            `epochs` take at the global batch). When a resume with another global batch changes the run's length in
+            steps, the schedule continues from where it was and ends with the run (`raytrain.lr_rules.ScheduleClock`).
     """
 
     base_lr: float
@@ -108,8 +109,8 @@ class LRConfig:
         the config gives none, else the global batch itself."""
         return peak_lr(self.base_lr, self.base_batch or base_batch or global_batch, global_batch, self.rule)
 
-    def factor(self, step: int, total_steps: int | None) -> float:
-        """The LR of optimizer step `step` as a fraction of the peak (warmup, then the schedule)."""
+    def factor(self, step: float, total_steps: int | None) -> float:
+        """The LR of schedule step `step` as a fraction of the peak (warmup, then the schedule)."""
         return lr_factor(
             step,
             warmup_steps=self.warmup_steps,

@@ -16,12 +16,20 @@ over the first `warmup_steps` steps (step 0 trains at peak/warmup_steps, never a
 with min = min_lr_ratio * peak, over `total_steps` (the run's length). The factor multiplies every parameter
 group's own LR, so groups keep their ratios. Because W appears nowhere, a resize never changes the LR; only a
 change of the *global batch* by the user does, and `describe_lr_on_resume` says how.
+
+A resume with another global batch can change the run's length in steps (an epoch of N samples takes N / B steps).
+The schedule is then continued, not restarted or jumped: `ScheduleClock` maps optimizer steps to *schedule
+steps* x. At the first start x = s and the schedule spans the run's `total` steps. When a resume finds the run
+ending at another step, the clock is re-anchored at the resume step: from there x runs linearly from where it was
+to `total` at the new end, so the LR factor at the resume point is the one before it and the decay ends with the
+run. With `decay_steps` or `max_steps` fixing the length in steps, nothing is re-anchored (x = s).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, get_args
 
 from raytrain.errors import ConfigError
 
@@ -65,19 +73,21 @@ def peak_lr(base_lr: float, base_batch: int, global_batch: int, rule: str) -> fl
 
 
 def lr_factor(
-    step: int,
+    step: float,
     *,
     warmup_steps: int,
     schedule: str = "constant",
     total_steps: int | None = None,
     min_lr_ratio: float = 0.0,
 ) -> float:
-    """The LR of optimizer step `step` (0-based) as a fraction of the peak: warmup, then `schedule` (module doc).
+    """The LR of optimizer step `step` (0-based; a schedule step, possibly fractional, see `ScheduleClock`) as a
+    fraction of the peak: warmup, then `schedule` (module doc).
 
     `total_steps` (the run's length) is needed by the decaying schedules; steps past it stay at `min_lr_ratio`.
     """
     _require_int("warmup_steps", warmup_steps, 0)
-    _require_int("step", step, 0)
+    if isinstance(step, bool) or not isinstance(step, int | float) or not step >= 0:
+        raise ConfigError(f"step must be a number >= 0, got {step!r}")
     validate_schedule(schedule)
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -106,4 +116,57 @@ def describe_lr_on_resume(
     return (
         f"{change}; peak lr rescaled by the '{rule}' rule from base batch {base_batch}: "
         f"{old_peak:.3e} -> {new_peak:.3e}"
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleClock:
+    """Maps optimizer steps to schedule steps (module docstring): x(s) = anchor_x + (s - anchor_step) *
+    (total - anchor_x) / (end - anchor_step), which is s itself until a resume re-anchors it.
+
+    total: the schedule's length in schedule steps (the first start's run length, or `decay_steps`); None when the
+        run's length is unknown (streaming without max_steps: only constant schedules run there).
+    end: the step at which the run ends now; None when the schedule's length is fixed in steps (`decay_steps`).
+    """
+
+    total: int | None
+    end: int | None
+    anchor_step: int = 0
+    anchor_x: float = 0.0
+
+    def position(self, step: int) -> float:
+        """The schedule step of optimizer step `step` (an int while nothing was re-anchored)."""
+        if self.total is None or self.end is None or self.end <= self.anchor_step:
+            return step
+        x = self.anchor_x + (step - self.anchor_step) * (self.total - self.anchor_x) / (self.end - self.anchor_step)
+        return int(x) if float(x).is_integer() else x
+
+    def resumed(self, step: int, fresh: ScheduleClock) -> ScheduleClock:
+        """The clock of a resume at `step` given this run's `fresh` clock (as a first start would lay it out now):
+        the fresh one when the schedule's length is fixed in steps (either clock has no `end`), this one when the
+        run still ends where it did, else this one re-anchored at `step` so that the schedule continues from its
+        position there and ends at the new end."""
+        if self.end is None or fresh.end is None:
+            return fresh
+        if fresh.end == self.end:
+            return self
+        return ScheduleClock(total=self.total, end=fresh.end, anchor_step=step, anchor_x=float(self.position(step)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The checkpoint's record of the clock."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> ScheduleClock:
+        """A clock from `to_dict`'s record."""
+        return cls(**record)
+
+
+def describe_schedule_on_resume(before: ScheduleClock, after: ScheduleClock, step: int) -> str | None:
+    """The log line for a resume whose run length changed (None when the clock was kept)."""
+    if before == after or before.end is None or after.end is None:
+        return None
+    return (
+        f"the run now ends at step {after.end} (was {before.end}): the LR schedule continues from schedule step "
+        f"{after.anchor_x:.4g} of {after.total} at step {step} and reaches its end at step {after.end}"
     )

@@ -33,7 +33,7 @@ from raytrain.data.streaming import StreamingSteps
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
-from raytrain.lr_rules import describe_lr_on_resume
+from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
 from raytrain.model_init import InitTrace, record_build
 from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
 from raytrain.parallel.apply import (
@@ -250,6 +250,7 @@ class Run:
     state: TrainState
     restored: bool
     total_steps: int | None  # the run's length in steps, when known (deterministic mode, or max_steps)
+    clock: ScheduleClock  # optimizer step -> schedule step (continuous across a resume with another global batch)
     saves: Any = None  # the process group of background checkpoint writes (None: written on the training thread)
     pending: PendingSave | None = None  # a checkpoint being written; reported once every rank has written it
     commit: PendingCommit = field(default_factory=lambda: PendingCommit())
@@ -261,11 +262,12 @@ class Run:
 
     def lr_at(self, step: int) -> float:
         """The peak-relative LR of optimizer step `step` times the peak: the user's schedule hook, or warmup and
-        the configured schedule. Depends on the step and the global batch only."""
-        total = self.spec.lr.decay_steps or self.total_steps
+        the configured schedule, at the step's schedule position (`clock`). Depends on the step and the global
+        batch only."""
+        position, total = self.clock.position(step), self.clock.total
         if self.job.lr_schedule_fn is not None:
-            return self.peak_lr * float(self.job.lr_schedule_fn(step, total or 0))
-        return self.peak_lr * self.spec.lr.factor(step, total)
+            return self.peak_lr * float(self.job.lr_schedule_fn(position, total or 0))  # type: ignore[arg-type]
+        return self.peak_lr * self.spec.lr.factor(position, total)
 
 
 def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
@@ -492,6 +494,14 @@ def start_run(job: WorkerJob) -> Run:
         log.print(f"WARNING: {warning}")
 
     source = _step_source(job, plan, dims, rank, device, consumed, log.print)
+    total_steps = _total_steps(spec, source, state)
+    decay = spec.lr.decay_steps
+    fresh = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps)
+    stored = ScheduleClock.from_dict(state.schedule) if state.schedule else fresh
+    clock = stored.resumed(state.step, fresh)
+    note = describe_schedule_on_resume(stored, clock, state.step)
+    if note:
+        log.print(note)
     run = Run(
         job=job,
         rank=rank,
@@ -513,7 +523,8 @@ def start_run(job: WorkerJob) -> Run:
         log=log,
         state=state,
         restored=restored,
-        total_steps=_total_steps(spec, source, state),
+        total_steps=total_steps,
+        clock=clock,
         saves=checkpoint_group() if spec.checkpoint.background_save else None,
     )
     log.total_steps = run.total_steps
@@ -803,7 +814,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         run.plan.to_dict(),
         spec.to_dict(),
     )
-    state.base_batch, state.peak_lr = run.base_batch, run.peak_lr
+    state.base_batch, state.peak_lr, state.schedule = run.base_batch, run.peak_lr, run.clock.to_dict()
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     _report_pending(run)
     run.commit.wait()  # the previous checkpoint is committed before this one is written

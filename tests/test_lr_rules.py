@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from raytrain.config import LRConfig
 from raytrain.errors import ConfigError
-from raytrain.lr_rules import describe_lr_on_resume, lr_factor, peak_lr
+from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume, lr_factor, peak_lr
 
 
 def test_rules() -> None:
@@ -104,3 +104,29 @@ def test_lr_has_no_world_size_input() -> None:
     for fn in (peak_lr, lr_factor, LRConfig.factor, LRConfig.peak_lr):
         assert not any("world" in name for name in inspect.signature(fn).parameters)
     assert math.isfinite(peak_lr(1.0, 1, 1, "sqrt"))
+
+
+def test_the_schedule_continues_when_a_resume_changes_the_runs_length() -> None:
+    """128 samples at B = 16 are 8 steps; a resume at step 3 with B = 32 leaves 80 samples: 3 more steps, ending
+    at step 6. The cosine factor at the resume step is the one the first start had there (x = 3 of 8), and the
+    schedule reaches its end with the run (x = 8 at step 6), instead of jumping to 3 of 6."""
+    first = ScheduleClock(total=8, end=8)
+    assert [first.position(s) for s in range(8)] == list(range(8))  # x = s until a resume re-anchors
+    resumed = first.resumed(3, ScheduleClock(total=6, end=6))
+    assert resumed == ScheduleClock(total=8, end=6, anchor_step=3, anchor_x=3.0)
+    assert [resumed.position(s) for s in (3, 4, 5, 6)] == pytest.approx([3, 3 + 5 / 3, 3 + 10 / 3, 8])
+
+    def factor(clock: ScheduleClock, step: int) -> float:
+        return lr_factor(clock.position(step), warmup_steps=0, schedule="cosine", total_steps=clock.total)
+
+    assert factor(resumed, 3) == pytest.approx(factor(first, 3))  # continuous at the resume point
+    assert factor(resumed, 6) == pytest.approx(0.0)  # and ends with the run
+    assert describe_schedule_on_resume(first, resumed, 3) == (
+        "the run now ends at step 6 (was 8): the LR schedule continues from schedule step 3 of 8 at step 3 and "
+        "reaches its end at step 6"
+    )
+    # The same end, or a length fixed in steps (decay_steps, max_steps): nothing re-anchored.
+    assert first.resumed(3, ScheduleClock(total=8, end=8)) is first
+    fixed = ScheduleClock(total=20, end=None)
+    assert first.resumed(3, fixed) is fixed and fixed.position(3) == 3
+    assert ScheduleClock.from_dict(resumed.to_dict()) == resumed

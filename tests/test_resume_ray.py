@@ -26,22 +26,44 @@ ROWS = 128
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
 def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
-    ray_local: None, tmp_path: Path, deterministic: bool
+    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deterministic: bool
 ) -> None:
-    """3 steps at B=16, then the same run at B=32 to the end of the epoch: every sample exactly once, and the LR
-    rescaled by the linear rule from the first start's batch (base_batch was not given)."""
+    """A run at B=16 stopped after a checkpoint, resumed at B=32 to the end of the epoch: every sample exactly
+    once, the peak LR rescaled by the linear rule from the first start's batch (base_batch was not given), and the
+    cosine schedule continued where it was: the factor at the resume step is the one the first start had there (it
+    jumped before: the run's length in steps changed), and the schedule ends with the run."""
     options = {"workers": 2, "rows": ROWS, "epochs": 1, "audit": True, "deterministic": deterministic}
-    lr = LRConfig(base_lr=0.1, rule="linear")
-    make_trainer(tmp_path, "grow", global_batch=16, steps=3, every=3, lr=lr, **options).fit()  # type: ignore[arg-type]
+    if deterministic:  # planned for the whole epoch (8 steps at B=16), stopped by a crash in step 5 (no retries)
+        lr = LRConfig(base_lr=0.1, rule="linear", schedule="cosine", min_lr_ratio=0.1)
+        monkeypatch.setenv("RAYTRAIN_FAULTS", "0:5:forward")
+        with pytest.raises(Exception, match=r"(?i)fail"):
+            make_trainer(tmp_path, "grow", global_batch=16, every=2, lr=lr, **options).fit()  # type: ignore[arg-type]
+        monkeypatch.delenv("RAYTRAIN_FAULTS")
+    else:  # streaming mode does not know the run's length (a decaying schedule needs max_steps): 3 steps, constant
+        lr = LRConfig(base_lr=0.1, rule="linear")
+        make_trainer(tmp_path, "grow", global_batch=16, steps=3, every=3, lr=lr, **options).fit()  # type: ignore[arg-type]
     result = make_trainer(tmp_path, "grow", global_batch=32, lr=lr, **options).fit()  # type: ignore[arg-type]
-    metrics = read_jsonl(result.metrics_path)
-    sizes = [m["global_batch_size"] for m in metrics]
-    assert sizes == [16, 16, 16, 32, 32, 16], sizes  # 48 + 32 + 32 + 16 = 128: the epoch's last step holds the rest
+    resumed = read_jsonl(result.events_path)[-1]["step"]  # 2 or 4 (a crash may beat the last commit), or 3
+    metrics = list({m["step"]: m for m in read_jsonl(result.metrics_path)}.values())  # the last of a step retrained
+    left = ROWS - 16 * resumed
+    sizes = [16] * resumed + [32] * (left // 32) + ([left % 32] if left % 32 else [])
+    assert [m["global_batch_size"] for m in metrics] == sizes  # the epoch's last step holds the rest
     ids = ids_by_epoch(result.samples_path or "")[0]
     assert sorted(ids) == list(range(ROWS)), "samples skipped or repeated across the resume"
-    assert [m["lr"] for m in metrics] == pytest.approx([0.1] * 3 + [0.2] * 3)  # 0.1 x 32/16
-    events = read_jsonl(result.events_path)
-    assert [e["lr"] for e in events] == pytest.approx([0.1, 0.2])
+    peaks = [0.1] * resumed + [0.2] * (len(sizes) - resumed)  # 0.1 x 32/16
+    if deterministic:  # schedule steps: x = s before the resume, then the rest of the 8 spread over the steps left
+        end = len(sizes)
+        x = list(range(resumed)) + [
+            resumed + (s - resumed) * (8 - resumed) / (end - resumed) for s in range(resumed, end)
+        ]
+        factors = [lr_factor(p, warmup_steps=0, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for p in x]
+        assert [m["lr"] for m in metrics] == pytest.approx([p * f for p, f in zip(peaks, factors, strict=True)])
+        log = (Path(result.run_dir) / "raytrain.log").read_text()
+        assert (
+            f"the run now ends at step {end} (was 8): the LR schedule continues from schedule step {resumed} of 8"
+        ) in log
+    else:
+        assert [m["lr"] for m in metrics] == pytest.approx(peaks)
 
 
 def test_streaming_run_extended_with_more_epochs_trains_every_epoch(ray_local: None, tmp_path: Path) -> None:
