@@ -72,6 +72,8 @@ def verify(directory: str, fs: Any = None) -> str | None:
     fs = _fs(fs)
     if fs.get_file_info(directory).type != pafs.FileType.Directory:
         return "the directory is missing"
+    if fs.get_file_info(posixpath.join(directory, LOST_MARKER)).type == pafs.FileType.File:
+        return "the directory is missing"  # `replace_lost` stands in for it
     manifest = posixpath.join(directory, MANIFEST_FILE)
     if fs.get_file_info(manifest).type == pafs.FileType.NotFound:
         if _written_before_manifests(directory, fs):
@@ -123,23 +125,57 @@ def latest_committed(run_dir: str, fs: Any = None) -> tuple[int, str] | None:
         return None
 
 
-def checkpoint_dirs(run_dir: str, fs: Any = None) -> list[tuple[int, str]]:
-    """(step, path) of every checkpoint directory in `run_dir` (on the pyarrow filesystem `fs`, None: local) whose
-    train state can be read, oldest step first. A directory without one (a save cut short) is left out."""
+LOST_MARKER = "raytrain_lost.txt"  # in an empty directory standing in for a committed checkpoint that is gone
+
+
+def replace_lost(run_dir: str, fs: Any = None) -> list[str]:
+    """Put an empty directory, marked lost, in place of every checkpoint Ray Train's record of the run lists but
+    storage no longer holds (deleted by hand, lost with a disk), so that Ray Train starts (it refuses a record that
+    names a missing directory) and `verify` reports it as missing: the run then resumes from the newest intact one.
+    Returns the directories replaced (call on the driver, before the run starts)."""
     import pyarrow.fs as pafs
 
     fs = _fs(fs)
-    found: list[tuple[int, str]] = []
     try:
-        entries = fs.get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
+        record = json.loads(_read(fs, posixpath.join(run_dir, RAY_SNAPSHOT_FILE)))
+        names = [entry["checkpoint_dir_name"] for entry in record.get("checkpoint_results", [])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    replaced = []
+    for name in names:
+        path = posixpath.join(run_dir, name)
+        if fs.get_file_info(path).type == pafs.FileType.NotFound:
+            fs.create_dir(path, recursive=True)
+            with fs.open_output_stream(posixpath.join(path, LOST_MARKER)) as out:
+                out.write(b"this checkpoint was gone when the run was resumed; raytrain resumed from an older one\n")
+            replaced.append(path)
+    return replaced
+
+
+def checkpoint_paths(run_dir: str, fs: Any = None) -> list[str]:
+    """Every checkpoint directory in `run_dir` (on the pyarrow filesystem `fs`, None: local), readable or not, in
+    the order Ray Train wrote them (it names them `checkpoint_<timestamp>`)."""
+    import pyarrow.fs as pafs
+
+    try:
+        entries = _fs(fs).get_file_info(pafs.FileSelector(run_dir, allow_not_found=True))
     except OSError:  # run_dir is a file
-        return found
-    for entry in entries:
-        if entry.base_name.startswith("checkpoint_") and entry.type == pafs.FileType.Directory:
-            try:
-                found.append((read_step(entry.path, fs), entry.path))
-            except (OSError, ValueError):
-                continue
+        return []
+    return sorted(
+        (e.path for e in entries if e.base_name.startswith("checkpoint_") and e.type == pafs.FileType.Directory),
+        key=posixpath.basename,
+    )
+
+
+def checkpoint_dirs(run_dir: str, fs: Any = None) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoint directory in `run_dir` (on the pyarrow filesystem `fs`, None: local) whose
+    train state can be read, oldest step first. A directory without one (a save cut short) is left out."""
+    found: list[tuple[int, str]] = []
+    for path in checkpoint_paths(run_dir, fs):
+        try:
+            found.append((read_step(path, fs), path))
+        except (OSError, ValueError):
+            continue
     return sorted(found)
 
 

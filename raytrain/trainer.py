@@ -95,9 +95,12 @@ def check_storage(spec: TrainSpec, filesystem: Any = None) -> tuple[str, RunStor
 def check_resumable(storage: RunStorage) -> None:
     """`ConfigError` before anything starts when the run's checkpoint directory (local or object storage) holds
     checkpoints and none is intact (every one has a file missing or cut short): resuming would be impossible,
-    starting over would hide the data loss."""
-    from raytrain.checkpoint_files import checkpoint_dirs, verify
+    starting over would hide the data loss. A committed checkpoint whose directory is gone gets an empty stand-in
+    (`replace_lost`, said once), so that Ray Train starts and the run resumes from the newest intact one."""
+    from raytrain.checkpoint_files import checkpoint_dirs, replace_lost, verify
 
+    for path in replace_lost(storage.path, storage.fs):
+        say(f"WARNING: checkpoint {posixpath.basename(path)} is gone from {storage.uri}; resuming from an older one")
     found = checkpoint_dirs(storage.path, storage.fs)
     reasons = [(path, verify(path, storage.fs)) for _, path in found]
     if found and all(reason for _, reason in reasons):

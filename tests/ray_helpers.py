@@ -53,6 +53,7 @@ def make_trainer(
     id_column: str | None = "id",
     data: str = "parquet",
     storage: str | None = None,
+    keep: int = 2,
     **kwargs: Any,
 ) -> ElasticTrainer:
     """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails).
@@ -82,7 +83,7 @@ def make_trainer(
             max_grad_norm=max_grad_norm,
         ),
         checkpoint=CheckpointConfig(
-            storage_path=storage or str(tmp), log_dir=str(tmp), run_name=run, every_steps=every
+            storage_path=storage or str(tmp), log_dir=str(tmp), run_name=run, every_steps=every, keep=keep
         ),
         cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=max_failures),
         required_columns=("x", "y"),

@@ -179,23 +179,33 @@ def test_a_tracker_without_its_methods_is_rejected_on_the_driver(tmp_path: Path)
         make_trainer(tmp_path, "bad", workers=1, trackers=[object()])
 
 
-def test_a_damaged_latest_checkpoint_resumes_from_the_newest_intact_one(ray_local: None, tmp_path: Path) -> None:
-    from raytrain.checkpoint_files import checkpoint_dirs
+def test_damaged_checkpoints_resume_from_the_newest_intact_one(ray_local: None, tmp_path: Path) -> None:
+    """Every kind of damage at once, newest first: the latest checkpoint's directory is gone, the one before lost
+    its state file, the one before that has a shard cut short; the run resumes from the next, step 2, and trains
+    on as a run that never stopped."""
+    import shutil
 
-    reference = read_jsonl(make_trainer(tmp_path, "whole", workers=2, steps=8).fit().metrics_path)
-    make_trainer(tmp_path, "cut", workers=2, steps=6, every=2).fit()
-    step, latest = checkpoint_dirs(str(tmp_path / "cut"))[-1]
-    assert step == 6
-    shard = Path(latest) / "__1_0.distcp"
+    from raytrain.checkpoint_files import STATE_FILE, checkpoint_dirs
+
+    reference = read_jsonl(make_trainer(tmp_path, "whole", workers=2, steps=10).fit().metrics_path)
+    make_trainer(tmp_path, "cut", workers=2, steps=8, every=2, keep=4).fit()
+    found = checkpoint_dirs(str(tmp_path / "cut"))
+    assert [step for step, _ in found] == [2, 4, 6, 8]
+    paths = [Path(path) for _, path in found]
+    shutil.rmtree(paths[3])  # the latest committed one: lost whole
+    (paths[2] / STATE_FILE).unlink()  # its state file lost
+    shard = paths[1] / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # a full disk or an upload cut short
-    result = make_trainer(tmp_path, "cut", workers=2, steps=8, every=2).fit()
+    result = make_trainer(tmp_path, "cut", workers=2, steps=10, every=2, keep=4).fit()
     log = (tmp_path / "cut" / "raytrain.log").read_text()
-    assert f"WARNING: checkpoint {Path(latest).name} is damaged (__1_0.distcp has 100 of its" in log
+    assert f"WARNING: checkpoint {paths[3].name} is damaged (the directory is missing)" in log
+    assert f"WARNING: checkpoint {paths[2].name} is damaged ({STATE_FILE} is missing)" in log
+    assert f"WARNING: checkpoint {paths[1].name} is damaged (__1_0.distcp has 100 of its" in log
     starts = read_jsonl(result.events_path)
-    assert starts[-1]["step"] == 4  # the newest intact checkpoint
+    assert starts[-1]["step"] == 2  # the newest intact checkpoint
     metrics = read_jsonl(result.metrics_path)
-    assert [m["step"] for m in metrics] == list(range(1, 9))
-    for a, b in zip(reference[4:], metrics[4:], strict=True):
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    for a, b in zip(reference[2:], metrics[2:], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
 
 
