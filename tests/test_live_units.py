@@ -40,6 +40,15 @@ def test_the_participants_split_the_step_contiguously_and_exactly(participants: 
         live_share(0, 96, 16, 2, 2)
 
 
+def test_an_epochs_last_step_with_fewer_samples_than_participants_is_split_as_the_restart_path_splits_it() -> None:
+    """N = 1001, B = 100, 3 replicas: the epoch's last step holds 1 sample; one replica trains it, the others an
+    empty micro-batch (this raised a ConfigError taken for a bug in the user's code)."""
+    shares = [live_share(10, 1001 % 100, 16, 3, rank) for rank in range(3)]
+    assert [s.count for s in shares] == [1, 0, 0] and [s.offset for s in shares] == [0, 1, 1]
+    assert [s.micro_batches for s in shares] == [(1,), (0,), (0,)]
+    assert all(s.loss_scale == 3 / 1 for s in shares)
+
+
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_a_steps_data_position_is_the_restart_paths(drop_last: bool) -> None:
     """The live worker's position of step s (from the step number alone) is where the restart path's loop puts

@@ -8,7 +8,7 @@ not do is keep the batch: its replicas each train their own batch, so the effect
 `LiveReplica` adds raytrain's rule on top:
 
 * at step s the P participants split that step's B samples (global positions s·B .. s·B + B - 1 of the order) with
-  the batch plan computed for P (`raytrain.batch_plan.plan_batch(B, micro_batch, P)`); participant r takes its
+  the batch plan computed for P (`raytrain.batch_plan.split_step(B, micro_batch, P)`); participant r takes its
   contiguous slice in its micro-batches;
 * each participant's loss is the sum of its per-sample losses times P / B, and torchft averages the gradients over
   the P participants, so the update is the mean over all B samples: the same as one process on the whole batch,
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raytrain.batch_plan import BatchPlan, plan_batch
+from raytrain.batch_plan import BatchPlan, split_step
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,12 @@ class LiveShare:
 
 def live_share(step: int, step_batch: int, micro_batch: int, participants: int, rank: int) -> LiveShare:
     """Pure: participant `rank` of `participants`'s share of step `step`, whose batch holds `step_batch` samples
-    (the global batch; fewer only at the end of an epoch without drop_last). Raises `ValueError` unless
-    0 <= rank < participants."""
+    (the global batch; fewer only at the end of an epoch without drop_last, possibly fewer than the participants:
+    then some get none, and train an empty micro-batch, as in the restart path's `split_step`). Raises
+    `ValueError` unless 0 <= rank < participants."""
     if not 0 <= rank < participants:
         raise ValueError(f"rank must be in [0, participants={participants}), got {rank}")
-    return LiveShare(step, participants, rank, plan_batch(step_batch, micro_batch, participants))
+    return LiveShare(step, participants, rank, split_step(step_batch, micro_batch, participants))
 
 
 class LiveReplica:
