@@ -24,6 +24,13 @@ units) and the accumulated gradients. Printed last, as one JSON line:
                           parameter; with a per-worker budget of half of that, zero3 at W = 4 must fit it
     auto_fits             for every (W, k), the layout `strategy="auto"` picks for that budget fits it when measured
     loss_matches_w1       the zero3 W = 4 loss curve equals the single-process run's (rel. 1e-5)
+    pretrained_load_peak_fraction
+                          pretrained weights (`init_from`, a safetensors file of a 12-layer 2048-wide stack, 201 MB)
+                          loaded at zero3, W = 4: the largest rank's resident-memory growth (RSS high-water mark,
+                          read buffers included) from before the model is built (FakeTensorMode's modules already
+                          imported: a fixed ~30 MB, not the load's) to after it is loaded, divided by
+                          the model's bytes (goal <= 0.5; a rank's shard is 0.25); `_full_build` loads the same file
+                          into a model built whole on every rank first (>= 1 by construction of that path)
 """
 
 from __future__ import annotations
@@ -144,6 +151,71 @@ def rank_main(rank: int, world: int, rows: list[dict[str, Any]]) -> list[dict[st
     if world == max(r["world"] for r in rows):
         old = run_config({"world": world, "k": 1, "strategy": "zero3", "mode": "unsharded"}, rank, full_init=True)
         results.append({"world": world, "k": 1, "strategy": "zero3", "mode": "full-init", **old})
+    return results
+
+
+LOAD_WIDTH, LOAD_LAYERS = 2048, 12  # the pretrained-load model: 50.4 M fp32 parameters, 201 MB
+
+
+def load_model(width: int = LOAD_WIDTH, layers: int = LOAD_LAYERS) -> nn.Module:
+    """A stack of linear layers, each its own FSDP unit (`units_fn` below): the model of the load measurement."""
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def load_rank(rank: int, world: int, path: str, width: int, layers: int, sharded: bool) -> dict[str, int]:
+    """One rank's resident-memory growth while building the model and loading `path` at zero3."""
+    import functools
+
+    from raytrain.pretrained import open_pretrained
+
+    pretrained = open_pretrained(path)
+    record_build(lambda: nn.Linear(2, 2))  # imports FakeTensorMode's modules first: a fixed cost, not the load's
+    before = _rss_bytes()
+    assert _max_rss_bytes() <= before + 32 * 2**20, "the high-water mark is above the start: measure in a new process"
+    build = functools.partial(load_model, width, layers)
+    if sharded:
+        built = record_build(build)
+        model, trace = built.model, built.trace
+    else:
+        model, trace = build(), None
+    model = apply_parallelism(model, "zero3", torch.device("cpu"), world, init=trace, pretrained=pretrained)
+    return {"growth": _max_rss_bytes() - before, "bytes_read": pretrained.bytes_read, "model": pretrained.nbytes}
+
+
+def measure_pretrained_load(world: int, quick: bool) -> dict[str, float]:
+    """Write the load model's weights as safetensors, load them at zero3 on `world` ranks, sharded and full."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    width, layers = (1024, 6) if quick else (LOAD_WIDTH, LOAD_LAYERS)
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-pretrained-") as directory:
+        path = f"{directory}/model.safetensors"
+        save_file(dict(load_model(width, layers).state_dict()), path)
+        results = {}
+        for sharded in (True, False):
+            ranks = run_world(load_rank, world, path, width, layers, sharded, preload=["torch", "raytrain"])
+            worst = max(r["growth"] for r in ranks)
+            results["sharded" if sharded else "full"] = worst / ranks[0]["model"]
+            if sharded:
+                results["read_fraction"] = max(r["bytes_read"] for r in ranks) / ranks[0]["model"]
+        model_mb = ranks[0]["model"] / 1e6
+    print(
+        f"\npretrained load at zero3 W={world} ({model_mb:.0f} MB of weights): largest rank's RSS growth "
+        f"{results['sharded']:.3f} of the model with the sharded build (bytes read {results['read_fraction']:.3f}), "
+        f"{results['full']:.3f} with the full build"
+    )
     return results
 
 
@@ -287,6 +359,7 @@ def main() -> None:
         f"loss sums per step, zero3 W={top} k=4: {totals}; one process: {reference}: "
         + ("equal" if loss_ok else "DIFFERENT")
     )
+    load = measure_pretrained_load(top if not args.quick else 2, args.quick)
     worst = max(errors, key=lambda name: abs(errors[name]))
     print(f"wall time {time.perf_counter() - started:.1f} s")
     print_headline(
@@ -300,6 +373,9 @@ def main() -> None:
             "auto_fits": auto_ok,
             "loss_matches_w1": loss_ok,
             "num_params": num_params,
+            "pretrained_load_peak_fraction": round(load["sharded"], 4),
+            "pretrained_load_read_fraction": round(load["read_fraction"], 4),
+            "pretrained_load_peak_fraction_full_build": round(load["full"], 4),
         }
     )
 

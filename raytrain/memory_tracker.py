@@ -52,6 +52,8 @@ class LiveBytes(TorchDispatchMode):
             key = storage._cdata  # the storage object itself: a data pointer is reused once resized away
         except (RuntimeError, NotImplementedError):
             return
+        if storage.device.type == "meta":  # a fake tensor (it reports another device): no memory behind it
+            return
         if key not in self._storages:
             self._storages[key] = weakref.ref(storage, self._forget(key))
 

@@ -170,7 +170,7 @@ class InitTrace:
         real: dict[int, torch.UntypedStorage] = {}
         for index in self._closure(ref.storage):
             self._run(self.ops[index], real, seed)
-        return ref.on(real[ref.storage]).clone()
+        return ref.on(real[ref.storage])  # a view: it keeps the replayed storage alive, nothing else
 
     def _run(self, op: _Op, real: dict[int, torch.UntypedStorage], seed: int) -> None:
 
@@ -337,7 +337,26 @@ def retie(model: nn.Module, groups: list[list[str]]) -> None:
             module._parameters[attr] = parameter
 
 
-def _local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+@torch.no_grad()
+def fill(model: nn.Module, local_value: Callable[[str, torch.Tensor], torch.Tensor | None]) -> list[str]:
+    """Copy into each parameter and buffer of `model` (possibly sharded DTensors) `local_value(name, tensor)`, this
+    rank's part of its initial value (None: leave it). A tied parameter is filled once, from the first of its names
+    that gives a value. Returns the first name of every tensor left unfilled."""
+    by_id: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, tensor in _named_tensors(model):
+        by_id.setdefault(id(tensor), (tensor, []))[1].append(name)
+    skipped = []
+    for tensor, names in by_id.values():
+        local = next((v for v in (local_value(name, tensor) for name in names) if v is not None), None)
+        if local is None:
+            skipped.append(names[0])
+            continue
+        target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        target.copy_(local.to(device=target.device, dtype=target.dtype))
+    return skipped
+
+
+def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """This rank's part of `full` for `target`: the DTensor shard when `target` is one (every rank holds the same
     full tensor, so no communication), else `full` itself."""
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -347,45 +366,47 @@ def _local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return full
 
 
-@torch.no_grad()
-def fill(model: nn.Module, values: Callable[[str], torch.Tensor | None]) -> list[str]:
-    """Copy into each parameter and buffer of `model` (possibly sharded DTensors) this rank's slice of
-    `values(name)`, the full tensor; a tied parameter is filled once. Returns the names `values` gave None for."""
-    skipped, done = [], set()
-    for name, tensor in _named_tensors(model):
-        if id(tensor) in done:
-            continue
-        done.add(id(tensor))
-        full = values(name)
-        if full is None:
-            skipped.append(name)
-            continue
-        target = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        target.copy_(_local_slice(full, tensor).to(device=target.device, dtype=target.dtype))
-    return skipped
-
-
-def materialize(model: nn.Module, device: torch.device | str, trace: InitTrace, seed: int) -> None:
+def materialize(
+    model: nn.Module, device: torch.device | str, trace: InitTrace, seed: int, pretrained: Any = None
+) -> None:
     """Give a meta `model` (as `record_build` built it, possibly pipeline-cut, tensor-parallel and FSDP-sharded
-    since) storage on `device` and its initial values: each rank replays every tensor's closure on the CPU and keeps
-    its slice (module docstring). Ties are kept. Raises `KeyError` naming a tensor the trace does not know."""
+    since) storage on `device` and its initial values: each tensor that the `pretrained` weights
+    (`raytrain.pretrained.Pretrained`) hold is read from them (this rank's part only), every other one replayed
+    from the trace on the CPU, keeping this rank's slice (module docstring). Ties are kept. Raises `KeyError`
+    naming a tensor the trace does not know."""
     groups = tie_groups(model)
     model.to_empty(device=device)
     retie(model, groups)
     by_storage: dict[int, torch.Tensor] = {}
 
-    def value(name: str) -> torch.Tensor:
+    def value(name: str, target: torch.Tensor) -> torch.Tensor:
+        if pretrained is not None and name in pretrained.entries:
+            return pretrained.read_local(name, target)
         if name in trace.constants:
-            return trace.constants[name]
+            return local_slice(trace.constants[name], target)
         if name not in trace.tensors:
             raise KeyError(f"{name!r} is not a tensor of the recorded model_fn()")
         key = trace.tensors[name].storage
         if key not in by_storage:
-            by_storage.clear()  # one full tensor at a time (ties are filled once, under the first name)
+            by_storage.clear()  # one full tensor at a time
             by_storage[key] = trace.value(name, seed)
-        return by_storage[key]
+        return local_slice(by_storage[key], target)
 
     fill(model, value)
+    _restore_attributes(model, trace, seed)
+
+
+def _restore_attributes(model: nn.Module, trace: InitTrace, seed: int) -> None:
+    """Give the plain tensor attributes recorded in the trace (e.g. a rotary embedding's `original_inv_freq`) their
+    values (replicated, on the device of the module's other tensors)."""
+    for name, value in _tensor_attributes(model):
+        if not value.is_meta:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        full = trace.constants[name] if name in trace.constants else trace.value(name, seed)
+        device = next((t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta), "cpu")
+        setattr(module, attr, full.to(device))
 
 
 FULL_BUILD_MAX_BYTES = 2**30  # "auto" builds a model of at most this many tensor bytes whole: exact, and cheap

@@ -240,6 +240,11 @@ def token_arrays(num_rows: int, vocab: int = 16, context: int = 8, seed: int = 0
     return {"id": np.arange(num_rows, dtype=np.int64), "x": tokens[:, :-1], "y": tokens[:, 1:]}
 
 
+def token_dataset(num_rows: int, vocab: int = 16, context: int = 8, seed: int = 0) -> Any:
+    """The token arrays as a `ray.data.Dataset` (needs Ray initialised)."""
+    return _from_arrays(token_arrays(num_rows, vocab, context, seed))
+
+
 def next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-sequence mean next-token cross entropy: shape [n]."""
     logits = model(batch["x"])

@@ -248,6 +248,12 @@ class ElasticTrainer:
         storage_filesystem: the `pyarrow.fs.FileSystem` of a URI `checkpoint.storage_path` (as Ray's
             `RunConfig.storage_filesystem`), e.g. an `S3FileSystem` with an endpoint and credentials; None: the one
             pyarrow derives from the URI. Checkpoints are written, listed, verified and restored through it.
+        init_from: pretrained weights to start from (fine-tuning): a safetensors file or a Hugging Face model
+            directory, a local path every node sees or a URI (`s3://bucket/model?endpoint_override=...`). Names are
+            matched exactly against the model's on the driver; each rank reads only its shard's bytes
+            (`raytrain.pretrained`). A resumed run starts from its checkpoint instead.
+        init_key_map: optional `init_key_map(name_in_files) -> model name | None` for weights saved under other
+            names (None leaves a tensor of the files out).
 
     Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
     the field, its value and the valid range.
@@ -272,11 +278,14 @@ class ElasticTrainer:
         tp_plan_fn: Callable[[nn.Module], Any] | None = None,
         trackers: Sequence[Any] = (),
         storage_filesystem: Any = None,
+        init_from: str | None = None,
+        init_key_map: Callable[[str], str | None] | None = None,
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
                 raise ConfigError(f"{name} must be callable, got {fn!r}")
-        for name, hook in (("lr_schedule_fn", lr_schedule_fn), ("units_fn", units_fn), ("tp_plan_fn", tp_plan_fn)):
+        hooks = (("lr_schedule_fn", lr_schedule_fn), ("units_fn", units_fn), ("tp_plan_fn", tp_plan_fn))
+        for name, hook in (*hooks, ("init_key_map", init_key_map)):
             if hook is not None and not callable(hook):
                 raise ConfigError(f"{name} must be callable or None, got {hook!r}")
         if "train" not in datasets:
@@ -339,6 +348,10 @@ class ElasticTrainer:
                 )
         self.storage_filesystem = storage_filesystem
         self.meta_init = False  # decided by check_user_functions
+        if init_from is not None and (not isinstance(init_from, str) or not init_from):
+            raise ConfigError(f"init_from must be a path or URI (a string), got {init_from!r}")
+        self.init_from, self.init_key_map = init_from, init_key_map
+        self.pretrained: Any = None  # `raytrain.pretrained.Pretrained`, read and checked by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
         if self.spec.cluster.recovery == "live":
@@ -388,8 +401,15 @@ class ElasticTrainer:
             lr = spec.lr.peak_lr(spec.batch.global_batch)
             for line in check_stage_ties(self.model_fn, self.optimizer_fn, spec.parallel.degrees[1], lr):
                 say(line)
+        if self.init_from is not None:
+            from raytrain.pretrained import check_names, open_pretrained
+
+            self.pretrained = open_pretrained(self.init_from, self.init_key_map)
+            say(check_names(self.pretrained, model))
         try:
-            choice = choose_init(spec.parallel.init, self.model_fn, spec.loop.seed)
+            # pretrained weights replace the init: the sharded build then reads only each rank's shard
+            prefer = self.pretrained is not None
+            choice = choose_init(spec.parallel.init, self.model_fn, spec.loop.seed, prefer_sharded=prefer)
         except ValueError as err:
             raise ConfigError(f"init 'meta' is not possible for this model: {err}; use init 'auto' or 'full'") from None
         self.meta_init = choice.sharded
@@ -446,6 +466,7 @@ class ElasticTrainer:
             tp_plan_fn=self.tp_plan_fn,
             trackers=self.trackers,
             meta_init=self.meta_init,
+            pretrained=self.pretrained,
             **data,
         )
 

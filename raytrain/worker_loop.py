@@ -75,7 +75,8 @@ class WorkerJob:
     units_fn: UnitsFn | None = None
     tp_plan_fn: TPPlanFn | None = None
     trackers: tuple[Any, ...] = ()  # experiment trackers (`raytrain.trackers`), used on rank 0
-    meta_init: bool = False  # decided on the driver (`raytrain.model_init.check_init`)
+    meta_init: bool = False  # decided on the driver (`raytrain.model_init.choose_init`)
+    pretrained: Any = None  # `raytrain.pretrained.Pretrained`: the weights to start from (checked on the driver)
     data: ParquetIndex | IndexedData | None = None  # a ParquetSource's partition, or deterministic mode's data
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
@@ -435,6 +436,8 @@ def start_run(job: WorkerJob) -> Run:
     faults.arm(job.run_dir, rank, world)
 
     began = time.perf_counter()
+    resuming = ray.train.get_checkpoint() is not None
+    pretrained = job.pretrained if not resuming else None  # a checkpoint replaces the weights anyway
     model, trace = build_model(job)
     ties = stage_ties(model, dims.pp) if dims.pp > 1 else []  # of the whole model, before the stage is cut
     parallel = spec.parallel
@@ -464,6 +467,7 @@ def start_run(job: WorkerJob) -> Run:
         stage=coords.pp,
         init=trace,
         seed=spec.loop.seed,
+        pretrained=pretrained,
         precision=parallel.precision,
         activation_checkpointing=parallel.activation_checkpointing,
         compile_blocks=parallel.compile,
@@ -476,6 +480,11 @@ def start_run(job: WorkerJob) -> Run:
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)
     ratios = lr_ratios(optimizer, built_lr)  # before restoring: a checkpoint holds scheduled, not base, LRs
     built = time.perf_counter()
+    if pretrained is not None:
+        log.print(
+            f"{pretrained.uri}: read {pretrained.bytes_read / 2**20:.4g} of {pretrained.nbytes / 2**20:.4g} MiB on "
+            f"rank 0 in {built - began:.2f} s (each rank reads its shard)"
+        )
     state, consumed, restored = _restore(model, optimizer, log)
     loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:

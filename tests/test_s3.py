@@ -258,3 +258,28 @@ def test_a_run_checkpointed_on_s3_resumes_there_at_another_world_size(ray_local:
     names = {info.base_name for info in s3.get_file_info(pafs.FileSelector("ckpt/runs/remote"))}
     assert not names & {"metrics.jsonl", "events.jsonl", "raytrain.log"}
     assert (tmp_path / "remote" / "metrics.jsonl").exists()
+
+
+def test_pretrained_weights_are_read_from_s3_by_range(s3: Any, s3_port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_from on object storage (no Ray): a Hugging Face directory written by save_pretrained and uploaded;
+    the URI's options reach pyarrow, the names check against the model, and a shard of a tensor is read as one
+    range of its rows (the bytes read are that shard's), equal to the file's rows."""
+    import torch
+    from test_pretrained import file_tensors, saved
+    from user_models import gpt2
+
+    from raytrain.model_init import record_build
+    from raytrain.pretrained import check_names, open_pretrained
+
+    _upload(s3, saved("gpt2"), "ckpt/hf/gpt2")
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://ckpt/hf/gpt2?endpoint_override=127.0.0.1:{s3_port}&scheme=http&region=us-east-1"
+    pretrained = open_pretrained(uri)
+    assert check_names(pretrained, record_build(gpt2).model).startswith(f"weights from {uri}: ")
+    expected = file_tensors(saved("gpt2"))["transformer.wte.weight"]
+    assert torch.equal(pretrained.read_full("transformer.wte.weight"), expected)
+    pretrained.bytes_read = 0
+    entry = pretrained.entries["transformer.wte.weight"]
+    assert torch.equal(pretrained._read(entry, 16, 32), expected[16:48])  # a zero3 rank's rows: one range request
+    assert pretrained.bytes_read == 32 * 32 * 4

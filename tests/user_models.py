@@ -90,11 +90,21 @@ def torch_transformer() -> nn.Module:
 
 
 def gpt2() -> nn.Module:
-    """transformers' GPT2LMHeadModel (tied head, Conv1D layers, its own `_init_weights`), tiny."""
+    """transformers' GPT2LMHeadModel (tied head, Conv1D layers, its own `_init_weights`), tiny, without dropout
+    (a training forward then equals transformers' own inference forward)."""
     import transformers
 
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     return transformers.GPT2LMHeadModel(config)
 

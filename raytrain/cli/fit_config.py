@@ -12,6 +12,9 @@ The file names Python entries for the builders and holds the config fields, one 
                                           #        "val"?: ...}  (called on the driver)
     lr_schedule = "fit_entry.py:schedule" # optional: (step, total_steps) -> factor of the peak LR
     tp_plan = "fit_entry.py:tp_plan"      # optional: (model) -> {module pattern: "colwise" | "rowwise"} ([parallel] tp)
+    init_from = "gpt2-small/"             # optional: pretrained weights, a safetensors file or a Hugging Face model
+                                          # directory (relative to the file) or a URI such as s3://bucket/model
+    init_key_map = "fit_entry.py:rename"  # optional: (name in the files) -> model name | None
     required_columns = ["x", "y"]
 
     [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
@@ -50,7 +53,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
 }
 ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
-OPTIONAL_ENTRY_KEYS = ("lr_schedule", "tp_plan")
+OPTIONAL_ENTRY_KEYS = ("lr_schedule", "tp_plan", "init_key_map")
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -114,6 +117,7 @@ class FitJob:
     entries: dict[str, Callable[..., Any]]
     required_columns: tuple[str, ...]
     layout_reason: str = ""  # why tp/pp "auto" chose the layout in `spec` ("" when they were given)
+    init_from: str | None = None  # pretrained weights: a local path (absolute) or a URI
 
 
 def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = None) -> FitJob:
@@ -121,7 +125,7 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
     raw = read_toml(path)
     _check_keys("top level", raw, ["entry", *SECTIONS])
     entry = dict(raw.get("entry", {}))
-    _check_keys("entry", entry, [*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "required_columns"])
+    _check_keys("entry", entry, [*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "required_columns", "init_from"])
     missing = [k for k in ENTRY_KEYS if k not in entry]
     if missing:
         raise ConfigError(f"[entry] is missing {missing}; it needs {list(ENTRY_KEYS)}")
@@ -143,7 +147,12 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
     from raytrain.parallel.layout import resolved_spec
 
     spec, reason = resolved_spec(entries["model"], **sections)
-    return FitJob(spec, entries, tuple(entry.get("required_columns", ())), reason)
+    init_from = entry.get("init_from")
+    if init_from is not None and not isinstance(init_from, str):
+        raise ConfigError(f"[entry] init_from must be a path or URI (a string), got {init_from!r}")
+    if init_from is not None and "://" not in init_from:
+        init_from = os.path.join(base_dir, init_from)
+    return FitJob(spec, entries, tuple(entry.get("required_columns", ())), reason, init_from)
 
 
 def describe_plan(job: FitJob) -> str:

@@ -498,6 +498,8 @@ def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
         required_columns=job.required_columns,
         lr_schedule_fn=job.entries.get("lr_schedule"),
         tp_plan_fn=job.entries.get("tp_plan"),
+        init_from=job.init_from,
+        init_key_map=job.entries.get("init_key_map"),
     )
     started = time.time()
     result = trainer.fit()

@@ -73,10 +73,15 @@ class LiveWorker:
         self.job, self.settings, self.log = job, settings, log
         spec = job.spec
         self.model, trace = build_model(job)
+        pretrained = job.pretrained if restore is None else None
         if trace is not None:  # as the restart path's ddp does: materialize, replaying the recorded construction
             from raytrain.model_init import materialize
 
-            materialize(self.model, "cpu", trace, spec.loop.seed)
+            materialize(self.model, "cpu", trace, spec.loop.seed, pretrained)
+        elif pretrained is not None:
+            from raytrain.pretrained import load_into
+
+            load_into(self.model, pretrained)
         self.global_batch = spec.batch.global_batch
         self.peak_lr = spec.lr.peak_lr(self.global_batch)
         self.optimizer = call_optimizer_fn(job.optimizer_fn, self.model, self.peak_lr)

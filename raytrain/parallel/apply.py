@@ -207,6 +207,7 @@ def apply_parallelism(
     stage: int = 0,
     init: InitTrace | None = None,
     seed: int = 0,
+    pretrained: Any = None,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
     compile_blocks: bool = False,
@@ -221,9 +222,10 @@ def apply_parallelism(
     "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model
     (`raytrain.model_init.record_build`, whose trace is `init`) is materialized on `device` and initialised from
     `init` and `seed` after sharding, so each rank only ever allocates its shard (plus one tensor's full value
-    while initialising); a real model is moved to `device`. Requires an initialised default process group
-    when the world has more than one rank. Returns the module to train. `log` receives one line per applied
-    parallelism (tensor parallel, FSDP units).
+    while initialising); a real model is moved to `device`. With `pretrained` weights
+    (`raytrain.pretrained.Pretrained`) every tensor they hold is read from them instead, this rank's part only.
+    Requires an initialised default process group when the world has more than one rank. Returns the module to
+    train. `log` receives one line per applied parallelism (tensor parallel, FSDP units).
     """
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     if strategy not in ("ddp", "zero1", "zero2", "zero3"):
@@ -268,9 +270,13 @@ def apply_parallelism(
     if _is_meta(model):
         if init is None:
             raise ValueError("a model on the meta device needs the trace of its construction (record_build)")
-        materialize(model, device, init, seed)
+        materialize(model, device, init, seed, pretrained)
     else:
         model.to(device)
+        if pretrained is not None:
+            from raytrain.pretrained import load_into
+
+            load_into(model, pretrained)
     if dims.dp > 1 and not dims.model_parallel and strategy in ("ddp", "zero1"):
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)

@@ -1,0 +1,249 @@
+"""Pretrained weights: `ElasticTrainer(init_from=PATH)` starts the model from a safetensors file or a Hugging Face
+model directory (`model.safetensors`, or `model.safetensors.index.json` and its shards), local or on object storage
+(`s3://bucket/prefix?endpoint_override=...`, through pyarrow, credentials from the environment).
+
+The driver reads only the files' headers (`open_pretrained`) and checks the names against the model
+(`check_names`): every parameter and persistent buffer must be in the files (one name of a tied parameter is
+enough: `save_pretrained` stores a tie once) and every tensor in the files must be the model's, with the model's
+shape; a missing or unexpected name is a `ConfigError` naming it. `key_map(file_name) -> model_name | None`
+renames the files' tensors (None leaves one out), for checkpoints written with other names.
+
+Every rank then reads the bytes its shard needs and no more (`read_local`): for a tensor sharded on its first
+dimension (FSDP's `Shard(0)`, tensor parallel's colwise split) the rows of its shard, one range read; for another
+split (tensor parallel's rowwise `Shard(1)`) the rows it spans, sliced in memory; a replicated tensor whole. The
+peak per rank during the load is its shard plus one tensor's slice, never the whole model. Values are copied bit
+for bit and cast to the model's dtype where the file's differs. Safetensors is a plain format (an 8-byte header
+length, a JSON header of name -> dtype, shape, byte range, then the data): nothing in the file is executed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from raytrain.errors import ConfigError
+
+KeyMap = Callable[[str], str | None]
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are: its file, dtype, shape and the absolute byte offset of its data."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+@dataclass
+class Pretrained:
+    """The index of a pretrained checkpoint: its tensors by the model's names (after `key_map`). Picklable: the
+    driver builds it once and every worker reads through it. `bytes_read` counts this process's reads."""
+
+    uri: str
+    entries: dict[str, TensorEntry]
+    bytes_read: int = 0
+    _fs: Any = field(default=None, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"uri": self.uri, "entries": self.entries, "bytes_read": 0, "_fs": None}
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes in the files."""
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def _filesystem(self) -> Any:
+        if self._fs is None:
+            self._fs = _filesystem(self.uri)[0]
+        return self._fs
+
+    def _read(self, entry: TensorEntry, first_row: int, rows: int) -> torch.Tensor:
+        """Rows [first_row, first_row + rows) of the tensor (all of a 0-d tensor), as a CPU tensor."""
+        shape = entry.shape
+        row_bytes = math.prod(shape[1:]) * entry.torch_dtype.itemsize if shape else entry.torch_dtype.itemsize
+        size = rows * row_bytes
+        with self._filesystem().open_input_file(entry.file) as f:
+            data = f.read_at(size, entry.offset + first_row * row_bytes) if size else b""
+        self.bytes_read += size
+        flat = (
+            torch.frombuffer(bytearray(data), dtype=entry.torch_dtype)
+            if size
+            else torch.empty(0, dtype=entry.torch_dtype)
+        )
+        return flat.reshape((rows, *shape[1:]) if shape else ())
+
+    def read_full(self, name: str) -> torch.Tensor:
+        """The whole tensor `name`."""
+        entry = self.entries[name]
+        return self._read(entry, 0, entry.shape[0] if entry.shape else 1)
+
+    def read_local(self, name: str, target: torch.Tensor) -> torch.Tensor:
+        """This rank's part of tensor `name` for `target` (a DTensor shard, or a whole tensor), reading only the rows
+        it spans; cast to `target`'s dtype."""
+        from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+        entry = self.entries[name]
+        if not isinstance(target, DTensor) or not entry.shape:
+            return self.read_full(name).to(target.dtype)
+        if not all(type(p) is Shard or p.is_replicate() for p in target.placements):
+            # a split of a split (FSDP over tensor parallel): read whole, let DTensor pick this rank's part
+            full = self.read_full(name)
+            return distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(entry.shape, target.device_mesh, target.placements)
+        rows = self._read(entry, offset[0], shape[0])
+        index = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+        return rows[(slice(None), *index)].to(target.dtype)
+
+
+def _filesystem(uri: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path on it) of a local path or a URI (its query options such as endpoint_override)."""
+    import os
+
+    import pyarrow.fs as pafs
+
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"init_from {uri!r} is not a path or a URI pyarrow can open: {err}") from None
+
+
+def _header(fs: Any, path: str) -> dict[str, Any]:
+    with fs.open_input_file(path) as f:
+        size = f.size()
+        length = int(np.frombuffer(f.read_at(8, 0), dtype="<u8")[0]) if size >= 8 else -1
+        if not 0 < length <= size - 8:
+            raise ValueError(f"its header length ({length}) does not fit its {size} bytes")
+        header = json.loads(f.read_at(length, 8))
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {name: (info, base) for name, info in header.items()}
+
+
+def open_pretrained(uri: str, key_map: KeyMap | None = None) -> Pretrained:
+    """Index the safetensors file or Hugging Face model directory at `uri` (headers only). Raises `ConfigError`
+    naming the path when nothing loadable is there, a file is not safetensors, a dtype is unknown, or `key_map`
+    maps two tensors to one name."""
+    fs, path = _filesystem(uri)
+    import pyarrow.fs as pafs
+
+    info = fs.get_file_info(path)
+    if info.type == pafs.FileType.File:
+        files = [path]
+    elif info.type == pafs.FileType.Directory:
+        index, single = posixpath.join(path, INDEX_FILE), posixpath.join(path, SINGLE_FILE)
+        if fs.get_file_info(index).type == pafs.FileType.File:
+            with fs.open_input_stream(index) as f:
+                weight_map = json.loads(f.read())["weight_map"]
+            files = [posixpath.join(path, name) for name in sorted(set(weight_map.values()))]
+        elif fs.get_file_info(single).type == pafs.FileType.File:
+            files = [single]
+        else:
+            found = sorted(i.base_name for i in fs.get_file_info(pafs.FileSelector(path)))[:8]
+            raise ConfigError(
+                f"init_from {uri!r} holds neither {SINGLE_FILE} nor {INDEX_FILE} (found {found}); raytrain reads "
+                "safetensors (save_pretrained's default; convert a pytorch_model.bin with safetensors' convert)"
+            )
+    else:
+        raise ConfigError(f"init_from {uri!r} does not exist")
+    entries: dict[str, TensorEntry] = {}
+    for file in files:
+        try:
+            header = _header(fs, file)
+        except (OSError, ValueError, UnicodeDecodeError) as err:
+            raise ConfigError(f"init_from: {file} is not a safetensors file ({err})") from None
+        for name, (meta, base) in header.items():
+            if meta["dtype"] not in DTYPES:
+                raise ConfigError(
+                    f"init_from: tensor {name!r} in {file} has dtype {meta['dtype']}, not one of {sorted(DTYPES)}"
+                )
+            mapped = key_map(name) if key_map is not None else name
+            if mapped is None:
+                continue
+            if mapped in entries:
+                raise ConfigError(f"init_from: key_map maps two tensors of the files to {mapped!r}")
+            entries[mapped] = TensorEntry(file, meta["dtype"], tuple(meta["shape"]), base + meta["data_offsets"][0])
+    return Pretrained(uri, entries)
+
+
+def expected_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """The model's tensors a checkpoint holds, each with all its names: every parameter and persistent buffer
+    (a tied parameter once, under each of its names)."""
+    state_names = set(model.state_dict(keep_vars=True))
+    by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        if name in state_names:
+            by_id.setdefault(id(tensor), ([], tensor))[0].append(name)
+    return list(by_id.values())
+
+
+def check_names(pretrained: Pretrained, model: nn.Module) -> str:
+    """Check the checkpoint against `model` (on the meta device is enough): `ConfigError` naming the first
+    missing tensor, the first unexpected one, or a shape that differs. Returns a line for the log."""
+    used: set[str] = set()
+    for names, tensor in expected_tensors(model):
+        found = [name for name in names if name in pretrained.entries]
+        if not found:
+            raise ConfigError(
+                f"init_from {pretrained.uri!r} has no tensor {names[0]!r} of the model"
+                + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
+                + "; pass init_key_map to map the files' names to the model's"
+            )
+        entry = pretrained.entries[found[0]]
+        if entry.shape != tuple(tensor.shape):
+            raise ConfigError(
+                f"init_from {pretrained.uri!r}: tensor {found[0]!r} has shape {list(entry.shape)} in the files, "
+                f"{list(tensor.shape)} in the model"
+            )
+        used.update(found)
+    unexpected = sorted(set(pretrained.entries) - used)
+    if unexpected:
+        raise ConfigError(
+            f"init_from {pretrained.uri!r} holds {len(unexpected)} tensor(s) the model does not have, e.g. "
+            f"{unexpected[0]!r}; pass init_key_map returning None for the ones to leave out"
+        )
+    return f"weights from {pretrained.uri}: {len(pretrained.entries)} tensors, {pretrained.nbytes / 2**20:.4g} MiB"
+
+
+def load_into(model: nn.Module, pretrained: Pretrained) -> list[str]:
+    """Fill a materialized `model` (possibly sharded) with the tensors `pretrained` holds, this rank's part only;
+    returns the names left as they were (the tensors the files do not hold)."""
+    from raytrain.model_init import fill
+
+    return fill(model, lambda name, t: pretrained.read_local(name, t) if name in pretrained.entries else None)

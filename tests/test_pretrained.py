@@ -1,0 +1,225 @@
+"""Pretrained weights (`raytrain.pretrained`): a tiny transformers model written by `save_pretrained` is loaded as
+the model's initial weights.
+
+- The driver's check names a missing, unexpected or reshaped tensor and the files' problems; `init_key_map`
+  renames; one name of a tied parameter is enough (save_pretrained stores a tie once).
+- Loaded through `apply_parallelism` at ddp W = 1, zero3 W = 2 and tensor parallel 2 (Llama's attention and MLP
+  split), with the sharded build and with the full build, the weights equal the file bit for bit, and a zero3 rank
+  reads about half the bytes.
+- Through Ray, `ElasticTrainer(init_from=...)` at zero3 W = 2: step 1's loss equals transformers' own forward of
+  the same samples in one process (`test_the_first_step_trains_the_pretrained_model`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from user_models import gpt2, llama
+
+from raytrain.errors import ConfigError
+from raytrain.model_init import record_build
+from raytrain.parallel.apply import apply_parallelism
+from raytrain.pretrained import check_names, open_pretrained
+from raytrain.testing.multiprocess import run_world
+
+LLAMA_TP_PLAN = {
+    **{f"model.layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+@functools.cache
+def saved(kind: str) -> Path:
+    """A tiny model written by transformers' save_pretrained (random weights, seed 1), once per process."""
+    import tempfile
+
+    torch.manual_seed(1)
+    model = {"gpt2": gpt2, "llama": llama, "llama-shards": llama}[kind]()
+    directory = Path(tempfile.mkdtemp(prefix=f"raytrain-pretrained-{kind}-"))
+    model.save_pretrained(directory, max_shard_size="20KB" if kind == "llama-shards" else "5GB")
+    return directory
+
+
+def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def test_the_driver_checks_the_names_against_the_model(tmp_path: Path) -> None:
+    model = record_build(gpt2).model
+    assert "lm_head.weight" not in file_tensors(saved("gpt2"))  # the tie is stored once
+    line = check_names(open_pretrained(str(saved("gpt2"))), model)
+    assert line.startswith(f"weights from {saved('gpt2')}: ") and "tensors" in line
+    shards = open_pretrained(str(saved("llama-shards")))  # model.safetensors.index.json and its shards
+    assert len({entry.file for entry in shards.entries.values()}) > 1
+    check_names(shards, record_build(llama).model)
+    single = saved("gpt2") / "model.safetensors"
+    check_names(open_pretrained(str(single)), model)  # a file, not a directory
+
+    from safetensors.torch import save_file
+
+    renamed = tmp_path / "renamed.safetensors"  # as another trainer might have saved it
+    save_file({"gpt." + name: value for name, value in file_tensors(saved("gpt2")).items()}, renamed)
+    with pytest.raises(ConfigError, match=r"has no tensor 'transformer.wte.weight' of the model \(nor its tied names"):
+        check_names(open_pretrained(str(renamed)), model)
+    check_names(open_pretrained(str(renamed), key_map=lambda name: name.removeprefix("gpt.")), model)
+    with pytest.raises(ConfigError, match=r"holds 12 tensor\(s\) the model does not have, e.g. 'transformer.h.1"):
+        check_names(open_pretrained(str(saved("gpt2"))), record_build(functools.partial(_gpt2_layers, 1)).model)
+    wider = functools.partial(_gpt2_layers, 2, 48)
+    with pytest.raises(
+        ConfigError, match=r"tensor 'transformer.wte.weight' has shape \[64, 32\] in the files, \[64, 48\]"
+    ):
+        check_names(open_pretrained(str(saved("gpt2"))), record_build(wider).model)
+
+
+def _gpt2_layers(layers: int, width: int = 32) -> nn.Module:
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_what_cannot_be_loaded_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"init_from '.*nowhere' does not exist"):
+        open_pretrained(str(tmp_path / "nowhere"))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match=r"holds neither model.safetensors nor model.safetensors.index.json \(found "):
+        open_pretrained(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigError, match=r"model.safetensors is not a safetensors file"):
+        open_pretrained(str(tmp_path))
+
+
+CASES = {  # name -> (world, strategy, tp, model kind, sharded build)
+    "ddp-w1": (1, "ddp", 1, "gpt2", True),
+    "zero3-w2": (2, "zero3", 1, "gpt2", True),
+    "zero3-w2-full-build": (2, "zero3", 1, "gpt2", False),
+    "tp2": (2, "ddp", 2, "llama", True),
+}
+
+
+def _load(rank: int, world: int, case: str, directory: str) -> dict[str, object]:
+    from raytrain.parallel.dims import ParallelDims
+    from raytrain.parallel.tensor import resolve_plan
+
+    _, strategy, tp, kind, sharded = CASES[case]
+    pretrained = open_pretrained(directory)
+    builder = {"gpt2": gpt2, "llama": llama}[kind]
+    dims = ParallelDims.of(world, tp=tp)
+    mesh = dims.build_mesh("cpu") if dims.model_parallel else None
+    if sharded:
+        built = record_build(builder)
+        model, trace = built.model, built.trace
+    else:
+        torch.manual_seed(5)
+        model, trace = builder(), None
+    plan = resolve_plan(model, LLAMA_TP_PLAN, tp) if tp > 1 else None
+    model = apply_parallelism(
+        model, strategy, torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, init=trace, pretrained=pretrained
+    )
+    model = getattr(model, "module", model)
+    state = {
+        name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+        for name, t in model.state_dict().items()
+    }
+    return {"state": state, "bytes_read": pretrained.bytes_read, "total": pretrained.nbytes}
+
+
+def _world_main(rank: int, world: int, dirs: dict[str, str]) -> dict[str, dict[str, object]]:
+    return {case: _load(rank, world, case, dirs[spec[3]]) for case, spec in CASES.items() if spec[0] == world}
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, list[dict[str, object]]]:
+    dirs = {kind: str(saved(kind)) for kind in ("gpt2", "llama")}  # the files every rank reads
+    results: dict[str, list[dict[str, object]]] = {"ddp-w1": [_load(0, 1, "ddp-w1", dirs["gpt2"])]}
+    for rank in run_world(_world_main, 2, dirs, preload=("torch", "raytrain.worker_loop", "transformers")):
+        for case, result in rank.items():
+            results.setdefault(case, []).append(result)
+    return results
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_loaded_weights_equal_the_file_bit_for_bit(loaded: dict[str, list[dict[str, object]]], case: str) -> None:
+    kind = CASES[case][3]
+    expected = file_tensors(saved(kind))
+    for rank in loaded[case]:
+        state = rank["state"]
+        assert isinstance(state, dict)
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), f"{name} differs from the file ({case})"
+        assert torch.equal(state["lm_head.weight"], expected[next(n for n in expected if "embed" in n or "wte" in n)])
+
+
+def test_a_zero3_rank_reads_its_shard_not_the_model(loaded: dict[str, list[dict[str, object]]]) -> None:
+    for rank in loaded["zero3-w2"]:
+        fraction = int(rank["bytes_read"]) / int(rank["total"])  # type: ignore[call-overload]
+        assert 0.4 < fraction < 0.6, fraction  # each rank its half of every tensor's rows
+    ddp = loaded["ddp-w1"][0]
+    assert ddp["bytes_read"] == ddp["total"]
+
+
+# ---------------------------------------------------------------- through Ray
+
+
+ray = pytest.importorskip("ray")
+
+
+def _ce_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-sequence mean next-token cross entropy of a transformers causal LM."""
+    logits = model(input_ids=batch["x"]).logits
+    losses = nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="none")
+    return losses.view(batch["y"].shape).mean(dim=1)
+
+
+@pytest.mark.ray
+def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: Path) -> None:
+    """zero3 at W = 2 from the saved GPT-2: the loss of step 1 (computed before its update) equals transformers'
+    own `from_pretrained` model's forward of the same 12 samples in one process."""
+    import ray.cloudpickle
+    import transformers
+
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.toy import token_arrays, token_dataset
+    from raytrain.trainer import ElasticTrainer
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.cloudpickle.register_pickle_by_value(sys.modules["user_models"])
+    trainer = ElasticTrainer(
+        model_fn=gpt2,
+        loss_fn=_ce_loss,
+        optimizer_fn=lambda params, lr: torch.optim.AdamW(params, lr=lr),
+        datasets={"train": token_dataset(48, vocab=64, context=8)},
+        batch=BatchConfig(global_batch=12, micro_batch=4),
+        lr=LRConfig(base_lr=1e-3),
+        loop=LoopConfig(max_steps=2, strategy="zero3", audit_samples=True, id_column="id"),
+        checkpoint=CheckpointConfig(storage_path=str(tmp_path), run_name="finetune", every_steps=2),
+        cluster=ClusterConfig(min_workers=2, max_workers=2),
+        required_columns=("x", "y"),
+        init_from=str(saved("gpt2")),
+    )
+    result = trainer.fit()
+    first = json.loads(Path(result.metrics_path).read_text().splitlines()[0])
+    ids = json.loads(Path(result.samples_path or "").read_text().splitlines()[0])["ids"]
+    arrays = token_arrays(48, vocab=64, context=8)
+    reference = transformers.GPT2LMHeadModel.from_pretrained(saved("gpt2"))
+    batch = {k: torch.from_numpy(arrays[k][ids]) for k in ("x", "y")}
+    with torch.no_grad():
+        expected = float(_ce_loss(reference, batch).mean())
+    assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
+    log = (tmp_path / "finetune" / "raytrain.log").read_text()
+    assert f"{saved('gpt2')}: read " in log
