@@ -120,12 +120,17 @@ class LRConfig:
         )
 
 
+UNBOUNDED_EPOCHS = 2**31 - 1  # `LoopConfig.epoch_limit` when only max_steps bounds the run
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoopConfig:
     """How long and how to train.
 
     Attributes:
         epochs: passes over the training set (>= 1); training stops at whichever of epochs/max_steps comes first.
+            None (default): 1 epoch without `max_steps`; with `max_steps`, as many epochs as those steps take (the
+            steps asked for are trained). `epoch_limit` is the number in force.
         max_steps: optimizer steps to run in total (>= 1), or None for `epochs` only.
         strategy: "ddp", "zero1" (sharded optimizer state), "zero2" (+ gradients), "zero3" (+ parameters, FSDP
             full shard) or "auto" (the memory planner's choice for the model and devices).
@@ -148,7 +153,7 @@ class LoopConfig:
         log_every: progress line on rank 0 every this many steps (>= 1).
     """
 
-    epochs: int = 1
+    epochs: int | None = None
     max_steps: int | None = None
     strategy: str = "ddp"
     seed: int = 0
@@ -161,7 +166,8 @@ class LoopConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        _int_at_least("epochs", self.epochs, 1)
+        if self.epochs is not None:
+            _int_at_least("epochs", self.epochs, 1)
         if self.max_steps is not None:
             _int_at_least("max_steps", self.max_steps, 1)
         _one_of("strategy", self.strategy, STRATEGIES)
@@ -175,6 +181,13 @@ class LoopConfig:
         _one_of("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         _int_at_least("shuffle_buffer", self.shuffle_buffer, 1)
         _int_at_least("log_every", self.log_every, 1)
+
+    @property
+    def epoch_limit(self) -> int:
+        """The epochs the run may take: `epochs`, else 1 without `max_steps`, else unbounded (max_steps ends it)."""
+        if self.epochs is not None:
+            return self.epochs
+        return 1 if self.max_steps is None else UNBOUNDED_EPOCHS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,8 +370,12 @@ class ClusterConfig:
     """The worker group and how it reacts to membership changes.
 
     Attributes:
-        min_workers / max_workers: the elastic range (1 <= min <= max). Ray Train runs with as many workers as
-            the cluster can place in this range and restarts the group when that number changes.
+        min_workers: the fewest workers the run trains with (>= 1). Ray Train runs with as many workers as the
+            cluster can place in [min_workers, max_workers] and restarts the group when that number changes; a
+            cluster that can never place min_workers is refused before any worker starts, when raytrain started
+            it (no autoscaler could add nodes).
+        max_workers: the most workers (>= min_workers); a local Ray instance raytrain starts declares logical
+            CPUs for this many (and one for Ray Data), whatever the machine's cores.
         use_gpu: one GPU per worker (nccl); otherwise CPU workers (gloo).
         resources_per_worker: Ray resources each worker needs, e.g. {"CPU": 1} or {"worker_slot": 1}.
         resize_monitor_interval_s: how often Ray Train checks for room to grow (seconds, >= 0.1).

@@ -31,6 +31,9 @@ def output() -> TextIO:
     return _state["out"] or sys.stdout
 
 
+DETAIL_PREFIX = "[raytrain:detail]"  # raytrain.log lines kept for the record, not echoed on the console
+
+
 def say(message: str) -> None:
     """Print one `[raytrain] ...` line on the driver."""
     print(f"[raytrain] {message}", file=output(), flush=True)
@@ -103,8 +106,9 @@ class RunLogTail:
             text = f.read()
         complete = text[: text.rfind("\n") + 1]  # a line still being written waits for the next round
         self._offset += len(complete.encode())
-        if complete:
-            self.out.write(complete)
+        shown = "".join(line for line in complete.splitlines(keepends=True) if not line.startswith(DETAIL_PREFIX))
+        if shown:
+            self.out.write(shown)
             self.out.flush()
 
     def _run(self) -> None:

@@ -19,6 +19,7 @@ loudly if a Ray upgrade renames or reshapes them; `pyproject.toml` pins Ray to t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerGroupCallback
@@ -26,7 +27,7 @@ from ray.train.v2._internal.execution.controller import state as controller_stat
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2.api.exceptions import ControllerError
 
-from raytrain.console import append_line, output
+from raytrain.console import DETAIL_PREFIX, append_line, output
 from raytrain.errors import UserCodeError
 from raytrain.failures import Signature, is_storage_error, signature
 
@@ -66,6 +67,13 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
 COLLECTIVE_NOISE = ("gloo", "nccl", "connection reset", "connection closed")
 
 
+def error_detail(error: BaseException | None) -> str:
+    """The first line of every rank's failure, for raytrain.log's detail lines (not shown on the console)."""
+    failures = getattr(error, "worker_failures", None) or {}
+    parts = [f"rank {rank}: {_first_sentence(getattr(f, '_base_exc', f), 400)}" for rank, f in sorted(failures.items())]
+    return "; ".join(parts) or (_first_sentence(error, 400) if error is not None else "")
+
+
 def describe_error(error: BaseException | None) -> str:
     """One short line for a worker-group failure: the cause rather than its echoes (a rank whose peer died sees a
     collective's "connection reset"; the dead rank's own error says why), or the error itself."""
@@ -75,6 +83,9 @@ def describe_error(error: BaseException | None) -> str:
     if failures:
         unwrapped = {rank: getattr(failure, "_base_exc", failure) for rank, failure in failures.items()}
         rank, failure = min(unwrapped.items(), key=lambda item: (_is_echo(item[1]), item[0]))
+        if _is_echo(failure):  # every report is a survivor's view of a peer that is gone: say that, not gloo's text
+            seen = ", ".join(str(r) for r in sorted(unwrapped))
+            return f"a worker was lost (rank{'s' if len(unwrapped) > 1 else ''} {seen} lost the connection to it)"
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         return f"rank {rank}: {_first_sentence(failure)}{more}"
     inner = getattr(error, "controller_failure", None)
@@ -110,7 +121,10 @@ def quiet_driver_error_messages() -> None:
         for message in data.get("lines", []):
             first = next((line for line in str(message).splitlines() if line.strip()), "")
             end = first.find(". ")
-            print(f"[ray] {first[: end + 1] if end > 0 else first[:200]}", file=output(), flush=True)
+            text = first[: end + 1] if end > 0 else first[:200]
+            if "raylet is terminated" in text.lower():  # a node leaving: raytrain's own line says what it means
+                continue
+            print(f"[ray] {text}", file=output(), flush=True)
 
     ray_worker.print_to_stdstream = one_line
 
@@ -130,16 +144,38 @@ class RunLog(ControllerCallback):
     `<run_dir>/raytrain.log` (the driver prints that file; Ray's own output is not forwarded by default):
     a failed worker group being restarted, a start that failed being retried, a resize, the final error."""
 
-    def __init__(self, run_dir: str) -> None:
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, request: str = "the worker group", repeat_s: float = 60.0) -> None:
+        self.run_dir, self.request, self.repeat_s = run_dir, request, repeat_s
+        self._waiting_since: float | None = None  # the first failed start of the current wait
+        self._said_at = 0.0
+        self._attempts = 0
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
-        """Write the line for `current_state`, if it is one of the above."""
+        """Write the line for `current_state`, if it is one of the above. A start that keeps failing (the cluster
+        lacks the room) is said once, naming what the run waits for, then once a minute with the time waited."""
         error = getattr(current_state, "training_failed_error", None)
+        if isinstance(current_state, controller_state.ReschedulingState):
+            now = time.monotonic()
+            self._attempts += 1
+            if self._waiting_since is None:
+                self._waiting_since = now
+            elif now - self._said_at < self.repeat_s:
+                return
+            self._said_at = now
+            waited = (
+                f"{now - self._waiting_since:.0f} s, {self._attempts} attempts so far; " if self._attempts > 1 else ""
+            )
+            line = (
+                f"waiting for room for {self.request} ({waited}{describe_error(error)}); trying again (said again "
+                f"every {self.repeat_s:.0f} s; Ctrl-C stops)"
+            )
+            append_line(self.run_dir, f"[raytrain] {line}")
+            return
+        if isinstance(current_state, controller_state.RunningState):
+            self._waiting_since, self._attempts = None, 0
         if isinstance(current_state, controller_state.RestartingState):
             line = f"worker group failed ({describe_error(error)}): restarting from the latest checkpoint"
-        elif isinstance(current_state, controller_state.ReschedulingState):
-            line = f"worker group could not start ({describe_error(error)}): trying again"
+            append_line(self.run_dir, f"{DETAIL_PREFIX} {error_detail(error)}")
         elif isinstance(current_state, controller_state.ResizingState):
             decision: Any = current_state.scaling_decision  # a ResizeDecision in this state
             line = f"cluster changed: restarting the worker group at {decision.num_workers} workers"
@@ -249,20 +285,35 @@ class WholeReplicasPolicy(ElasticScalingPolicy):
 
 
 def torch_trainer_class(tp: int, replica: int) -> Any:
-    """`TorchTrainer`, or for a model-parallel layout (replica > 1) a subclass whose controller scales elastically
-    with `WholeReplicasPolicy` (a fixed-size run keeps Ray's fixed policy: its size is checked by the config)."""
+    """A `TorchTrainer` subclass that Ctrl-C stops at any moment, and for a model-parallel layout (replica > 1)
+    whose controller scales elastically with `WholeReplicasPolicy` (a fixed-size run keeps Ray's fixed policy: its
+    size is checked by the config).
+
+    Ctrl-C: Ray Train's own SIGINT handler asks the controller to abort and waits for it, in the signal handler;
+    while the controller is busy (e.g. retrying a worker group that cannot start) that wait does not end, and Ctrl-C
+    is lost. This class installs no handler, so Ctrl-C raises `KeyboardInterrupt` in `fit` at once, and `stop()`
+    then kills the controller (its workers go with it)."""
     from ray.train.torch import TorchTrainer
 
-    if replica == 1:
-        return TorchTrainer
+    class RaytrainTorchTrainer(TorchTrainer):
+        controller: Any = None
 
-    class ReplicaTorchTrainer(TorchTrainer):
+        def _register_sigint_handler(self, controller: Any) -> None:
+            self.controller = controller
+
         def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
-            if isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
+            if replica > 1 and isinstance(controller_init_kwargs.get("scaling_policy"), ElasticScalingPolicy):
                 controller_init_kwargs["scaling_policy"] = WholeReplicasPolicy(self.scaling_config, tp, replica)
             return super()._initialize_and_run_controller(**controller_init_kwargs)  # type: ignore[misc]
 
-    return ReplicaTorchTrainer
+        def stop(self) -> None:
+            """End the run now (after Ctrl-C): kill its controller, whose workers are killed with it."""
+            import ray
+
+            if self.controller is not None:
+                ray.kill(self.controller, no_restart=True)
+
+    return RaytrainTorchTrainer
 
 
 def short_node_id(node_id: str) -> str:

@@ -31,7 +31,8 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
-from raytrain.console import RunLogTail, init_ray, is_quiet, say
+from raytrain.console import RunLogTail, append_line, init_ray, is_quiet, say
+from raytrain.data.materialized import describe_run_length
 from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE, read_jsonl
@@ -111,6 +112,19 @@ def check_resumable(storage: RunStorage) -> None:
         )
 
 
+def describe_latest(storage: RunStorage) -> str:
+    """Where the run's latest committed checkpoint is (the one a resume restores), in a few words."""
+    from raytrain.checkpoint_files import latest_committed
+
+    try:
+        found = latest_committed(storage.path, storage.fs)
+    except OSError as err:
+        return f"the latest checkpoint in {storage.uri} could not be read ({err})"
+    if found is None:
+        return f"no checkpoint was committed in {storage.uri} yet"
+    return f"the latest checkpoint is step {found[0]}, {found[1]}"
+
+
 def check_recovery_mode(storage: RunStorage, run_dir: str, recovery: str) -> None:
     """`ConfigError` before anything starts when the run directory holds checkpoints of the other recovery mode
     only: restart-path checkpoints (`checkpoint_*`, Ray Train's) and live ones (`live-checkpoint-*`) are not read
@@ -152,9 +166,17 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         raise ConfigError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {err}") from None
 
 
-def connect_ray(local_cpus: int = 1) -> None:
+def local_cpus(spec: TrainSpec) -> int:
+    """The logical CPUs a local Ray instance needs for `spec`: every worker's CPUs at `max_workers`, and one more
+    for Ray Data and the controller (on a small machine several workers then share a core, as they would share a
+    node's)."""
+    return math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0)) + 1
+
+
+def connect_ray(local_cpus: int = 1, reason: str = "") -> None:
     """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
-    `local_cpus` logical CPUs; never join another process's cluster found in /tmp/ray. No-op when connected.
+    `local_cpus` logical CPUs (`reason` says why, in the one line that reports it); never join another process's
+    cluster found in /tmp/ray. No-op when connected.
 
     Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them. Quiet unless
     `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`). A local instance gets
@@ -172,13 +194,54 @@ def connect_ray(local_cpus: int = 1) -> None:
         init_ray(address=address)
     else:
         port = own_state_api()
+        cpus = max(os.cpu_count() or 1, local_cpus)
         init_ray(
             address="local",
-            num_cpus=max(os.cpu_count() or 1, local_cpus),
+            num_cpus=cpus,
             include_dashboard=True,
             dashboard_host="127.0.0.1",
             dashboard_port=port,
         )
+        say(
+            f"started a local Ray instance with {cpus} logical CPUs on {os.cpu_count()} cores"
+            + (f" ({reason})" if reason else "")
+        )
+
+
+def started_here() -> bool:
+    """Whether this process started the Ray instance it is connected to (then no autoscaler adds nodes to it)."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return bool(ray.is_initialized() and node is not None and getattr(node, "head", False))
+
+
+def check_capacity(spec: TrainSpec) -> str | None:
+    """Before any worker starts: can this cluster ever hold `min_workers` workers? Each worker is one bundle of
+    `resources_per_worker` (and a GPU with `use_gpu`) on one node (`raytrain.capacity.workers_that_fit`, from the
+    nodes' total resources). On an instance this process started (no autoscaler can add nodes) too few is a
+    `ConfigError` naming what is asked and what the nodes have; on a cluster, the line saying what the run waits
+    for is returned (None when there is room)."""
+    import ray
+
+    from raytrain.capacity import describe_nodes, describe_request, workers_that_fit
+
+    cluster = spec.cluster
+    bundle = {"CPU": 1.0, **cluster.resources_per_worker}
+    if cluster.use_gpu:
+        bundle.setdefault("GPU", 1.0)
+    nodes = [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+    room = workers_that_fit(nodes, bundle)
+    if room >= cluster.min_workers:
+        return None
+    asked, have = describe_request(cluster.min_workers, bundle), describe_nodes(nodes, bundle)
+    if started_here():
+        raise ConfigError(
+            f"min_workers={cluster.min_workers} needs {asked}, and the local Ray instance holds {room} ({have}); "
+            f"let fit start Ray (it declares {local_cpus(spec)} logical CPUs for this run), or call "
+            f"connect_ray({local_cpus(spec)}) before building Ray datasets, or lower min_workers"
+        )
+    return f"waiting for {asked}: the cluster holds {room} now ({have}); an autoscaler may add nodes"
 
 
 def own_state_api(port: int | None = None) -> int:
@@ -448,7 +511,7 @@ class ElasticTrainer:
                     num_rows=num_rows,
                     global_batch=spec.batch.global_batch,
                     drop_last=spec.batch.drop_last,
-                    epochs=spec.loop.epochs,
+                    epochs=spec.loop.epoch_limit,
                     max_steps=None,
                     step=0,
                     epoch=0,
@@ -478,13 +541,15 @@ class ElasticTrainer:
         with run_lock(run_dir):
             return self._fit(run_dir, storage)
 
-    def _fit(self, run_dir: str, storage: RunStorage) -> FitResult:
-        from ray.train import CheckpointConfig as RayCheckpointConfig
+    def check(self) -> None:
+        """Every check `fit` makes before a worker starts (storage, checkpoints, the user's functions on the model,
+        the pretrained weights' names, the data and `loss_fn` on real rows, the cluster's room), and nothing more:
+        `raytrain fit --dry-run`. Starts a local Ray instance when none is connected (Ray datasets need one)."""
+        run_dir, storage = check_storage(self.spec, self.storage_filesystem)
+        self._prepare(run_dir, storage)
 
-        # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.v2.api.exceptions import ControllerError
-
+    def _prepare(self, run_dir: str, storage: RunStorage) -> tuple[WorkerJob, dict[str, Any]]:
+        """The checks before a worker starts, and what the workers get: the job and Ray Train's datasets."""
         from raytrain.data.materialized import (
             IndexedData,
             as_column,
@@ -492,16 +557,17 @@ class ElasticTrainer:
             check_numeric_columns,
             steps_per_epoch,
         )
-        from raytrain.data.streaming import ExactSplitConfig
         from raytrain.memory_plan import format_bytes
-        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors, torch_trainer_class
-        from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
         check_resumable(storage)
         check_recovery_mode(storage, run_dir, spec.cluster.recovery)
         self.check_user_functions()
-        connect_ray(math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0) + 1))
+        connect_ray(local_cpus(spec), f"{spec.cluster.max_workers} workers and Ray Data")
+        waiting = check_capacity(spec)
+        if waiting:
+            say(waiting)
+            append_line(run_dir, f"[raytrain] {waiting}")
         train = self.datasets["train"]
         val_set = self.datasets.get("val")
         if isinstance(val_set, ParquetSource):  # small by nature: materialized like a Ray dataset
@@ -525,6 +591,7 @@ class ElasticTrainer:
             else:
                 data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
+            say(describe_run_length(data.num_rows, spec.batch.global_batch, spec.batch.drop_last, spec.loop))
             head = data.head(1000)
             check_numeric_columns(head, self.required_columns)
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
@@ -547,8 +614,23 @@ class ElasticTrainer:
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in head.items()})
             trainer_datasets["train"] = train
+        return job, trainer_datasets
+
+    def _fit(self, run_dir: str, storage: RunStorage) -> FitResult:
+        from ray.train import CheckpointConfig as RayCheckpointConfig
+
+        # Ray Train V2 classes at run time; the type stubs still describe V1, hence the ignores below.
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.v2.api.exceptions import ControllerError
+
+        from raytrain.data.streaming import ExactSplitConfig
+        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors, torch_trainer_class
+        from raytrain.worker_loop import train_loop_per_worker
+
+        spec = self.spec
+        job, trainer_datasets = self._prepare(run_dir, storage)
         cluster = spec.cluster
-        if live:
+        if spec.cluster.recovery == "live":
             return self._fit_live(job, run_dir, storage)
         if not storage.is_local:
             say(f"checkpoints go to {storage.uri}; the run's files (metrics, events, log) to {run_dir}")
@@ -558,7 +640,15 @@ class ElasticTrainer:
             else (cluster.min_workers, cluster.max_workers)
         )
         view = RefreshClusterView(run_dir, cluster.resize_monitor_interval_s)
-        hooks = [StopRepeatedUserErrors(), RunLog(run_dir), view]
+        from raytrain.capacity import describe_request
+
+        bundle = {"CPU": 1.0, **cluster.resources_per_worker, **({"GPU": 1.0} if cluster.use_gpu else {})}
+        request = describe_request(cluster.min_workers, bundle)
+        if cluster.max_workers > cluster.min_workers:
+            request = request.replace(
+                f"{cluster.min_workers} worker", f"{cluster.min_workers} to {cluster.max_workers} worker"
+            )
+        hooks = [StopRepeatedUserErrors(), RunLog(run_dir, request), view]
         trainer = torch_trainer_class(spec.parallel.degrees[0], replica=spec.parallel.replica)(
             train_loop_per_worker,
             train_loop_config={"job": job},
@@ -586,6 +676,10 @@ class ElasticTrainer:
         except ControllerError as err:  # raytrain's controller callback stopped a bug from being retried
             if isinstance(err.controller_failure, UserCodeError):
                 raise err.controller_failure from None
+            raise
+        except KeyboardInterrupt:  # Ctrl-C, at any moment (start-up retries included): stop the run now
+            trainer.stop()
+            say(f"interrupted: {describe_latest(storage)}; fit() again (the same run_name) resumes from it")
             raise
         finally:
             if tail is not None:

@@ -373,7 +373,7 @@ def _step_source(
             rank=replica,
             device=device,
             drop_last=spec.batch.drop_last,
-            epochs=spec.loop.epochs,
+            epochs=spec.loop.epoch_limit,
             log=log,
             replica_ranks=dims.replica_ranks() if dims.model_parallel else None,
         )
@@ -403,7 +403,7 @@ def _total_steps(spec: TrainSpec, source: StepSource, state: TrainState) -> int 
             num_rows=source.num_rows,
             global_batch=spec.batch.global_batch,
             drop_last=spec.batch.drop_last,
-            epochs=spec.loop.epochs,
+            epochs=spec.loop.epoch_limit,
             max_steps=spec.loop.max_steps,
             step=state.step,
             epoch=state.epoch,
@@ -643,7 +643,7 @@ def _train(run: Run) -> None:
     max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}
     checkpointed = state.step
-    while state.step < max_steps and state.epoch < spec.loop.epochs:
+    while state.step < max_steps and state.epoch < spec.loop.epoch_limit:
         asked = time.perf_counter()
         step = run.source.next_step(state.epoch, state.sample_in_epoch)
         data_wait = time.perf_counter() - asked

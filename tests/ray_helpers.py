@@ -211,6 +211,8 @@ def demo(tmp: Path, name: str, *args: str, env: dict[str, str] | None = None) ->
     assert len(stdout) == 1, f"--json prints one JSON object on stdout, got {len(stdout)} lines"
     noise = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("[raytrain", "[ray]"))]
     assert not noise, "lines that are neither raytrain's nor a Ray error summary:\n" + "\n".join(noise[:20])
+    for echo in ("Traceback", "/__w/pytorch", "Connection closed by peer", "Raylet is terminated"):
+        assert echo not in done.stderr, f"a normal run printed {echo!r}:\n{done.stderr[-3000:]}"
     return {**json.loads(stdout[0]), "stderr": done.stderr}
 
 

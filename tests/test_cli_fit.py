@@ -151,3 +151,35 @@ def test_unwritable_storage_is_one_line_and_exit_2(tmp_path: Path) -> None:
     result = run_cli("fit", EXAMPLE, "--storage", str(blocker / "runs"), "--steps", "1")
     assert result.returncode == 2
     assert "is not a directory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dry_run_runs_loss_fn_on_real_rows_as_a_real_start_does(tmp_path: Path) -> None:
+    """A loss of the wrong shape fails the dry run, in one line, as it fails the real start (it passed before)."""
+    entry = Path(REPO / "examples" / "fit_entry.py").read_text()
+    (tmp_path / "entry.py").write_text(
+        entry.replace(
+            'return (model(batch["x"]) - batch["y"]) ** 2', 'return ((model(batch["x"]) - batch["y"]) ** 2).mean()'
+        )
+    )
+    job = write(tmp_path, Path(EXAMPLE).read_text().replace("fit_entry.py", str(tmp_path / "entry.py")))
+    result = run_cli("fit", job, "--dry-run", "--storage", str(tmp_path / "runs"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "must return one loss per sample, a tensor of shape [2] for 2 samples, got shape ()" in result.stderr
+
+
+def test_the_configuration_reference_is_generated_from_the_config_classes() -> None:
+    """docs/config.md is `python -m raytrain.cli.config_reference`'s output, and names every key of every table."""
+    import dataclasses
+
+    from raytrain.cli.config_reference import reference
+    from raytrain.cli.fit_config import ENTRY_KEYS, OPTIONAL_ENTRY_KEYS, SECTIONS
+
+    text = (REPO / "docs" / "config.md").read_text()
+    assert text == reference(), "docs/config.md is stale: python -m raytrain.cli.config_reference > docs/config.md"
+    for table, cls in SECTIONS.items():
+        section = text.split(f"## `[{table}]`", 1)[1].split("\n## ", 1)[0]
+        for field in dataclasses.fields(cls):
+            row = next(line for line in section.splitlines() if line.startswith(f"| `{field.name}` |"))
+            assert not row.endswith("|  |"), f"[{table}] {field.name} has no description in its docstring"
+    for key in (*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "init_from", "required_columns"):
+        assert f"| `{key}` |" in text

@@ -1,4 +1,6 @@
-"""`ray job submit ... -- raytrain fit examples/fit_mlp.toml` against a local `ray start --head` cluster.
+"""`ray job submit --working-dir DIR -- raytrain fit char_project/job.toml` against a local `ray start --head`
+cluster: a user's project of two files (`train.py` imports its neighbour `charmodel.py`), shipped by Ray's runtime
+environment, trains (it failed with "No module named 'charmodel'" before).
 
 The test starts the head itself (`ray_helpers.ray_head`: its own `ray start --head --block`, dashboard on
 127.0.0.1 only, stopped without `ray stop`), submits, waits for SUCCEEDED and checks the run directory. Every
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,7 +23,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
+def test_ray_job_submit_runs_a_two_file_project(tmp_path: Path) -> None:
+    working_dir = tmp_path / "project"  # what a user's checkout holds: the project and its text
+    shutil.copytree(
+        REPO / "examples" / "char_project", working_dir / "char_project", ignore=shutil.ignore_patterns("data")
+    )
+    shutil.copytree(REPO / "examples" / "data", working_dir / "data")
     with ray_head(dashboard=True) as head:
         env, dashboard = head["env"], head["dashboard"]
         runs = tmp_path / "runs"
@@ -36,12 +44,12 @@ def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
                     "--address",
                     dashboard,
                     "--working-dir",
-                    str(REPO),
+                    str(working_dir),
                     "--no-wait",
                     "--",
                     "raytrain",
                     "fit",
-                    "examples/fit_mlp.toml",
+                    "char_project/job.toml",
                     "--storage",
                     str(runs),
                     "--steps",
@@ -53,7 +61,7 @@ def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
                 capture_output=True,
                 text=True,
                 timeout=120,
-                cwd=REPO,
+                cwd=tmp_path,
             )
             attempts.append(done.stdout[-1500:] + done.stderr[-1500:])
             return re.search(r"raysubmit_\w+", done.stdout + done.stderr) if done.returncode == 0 else None
@@ -87,10 +95,10 @@ def test_ray_job_submit_runs_raytrain_fit(tmp_path: Path) -> None:
         state = wait_for(f"job {job_id.group(0)} to finish", finished, 420, interval_s=3)
         logs = cli("logs")
         assert state == "SUCCEEDED", logs[-4000:]
-        run_dir = runs / "fit-mlp"
+        run_dir = runs / "char-gru"
         with open(run_dir / "metrics.jsonl") as f:
             lines = [json.loads(line) for line in f if line.strip()]
         assert [m["step"] for m in lines] == list(range(1, 9))
         assert {m["global_batch_size"] for m in lines} == {64}
         assert {m["world_size"] for m in lines} == {2}
-        assert "run_dir" in logs and "final_loss" in logs  # the end-of-run summary reached the job's logs
+        assert "run directory" in logs and "final loss" in logs  # the end-of-run summary reached the job's logs

@@ -196,3 +196,32 @@ def test_sizes_in_log_lines_keep_three_digits() -> None:
         "1.5 GB",
         "20 TB",
     ]
+
+
+def test_steps_without_epochs_train_the_steps_and_both_say_which_ends_the_run() -> None:
+    from raytrain.config import UNBOUNDED_EPOCHS, LoopConfig
+    from raytrain.data.materialized import describe_run_length, run_total_steps
+
+    steps_only = LoopConfig(max_steps=100)  # 79 steps per epoch: epochs defaulted to 1 and stopped at 79
+    assert steps_only.epoch_limit == UNBOUNDED_EPOCHS and LoopConfig().epoch_limit == 1
+    total = run_total_steps(
+        num_rows=79 * 16,
+        global_batch=16,
+        drop_last=False,
+        epochs=steps_only.epoch_limit,
+        max_steps=100,
+        step=0,
+        epoch=0,
+        sample_in_epoch=0,
+    )
+    assert total == 100
+    assert describe_run_length(79 * 16, 16, False, steps_only) == "run length: max_steps=100 (1.27 epochs of 79 steps)"
+    assert describe_run_length(79 * 16, 16, False, LoopConfig(epochs=1, max_steps=100)) == (
+        "run length: epochs=1 ends the run at step 79 (79 steps per epoch), before max_steps=100"
+    )
+    assert describe_run_length(79 * 16, 16, False, LoopConfig(epochs=3, max_steps=100)) == (
+        "run length: max_steps=100 ends the run, in epoch 2 of 3 (79 steps per epoch)"
+    )
+    assert (
+        describe_run_length(79 * 16, 16, False, LoopConfig(epochs=2)) == "run length: 2 epoch(s) of 79 steps, 158 steps"
+    )

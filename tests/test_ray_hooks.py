@@ -168,3 +168,21 @@ def test_the_elastic_policy_hooks_whole_replicas_counts_per_node() -> None:
     assert WholeReplicasPolicy(free, tp=2, replica=2)._count_possible_workers(nodes) == 6
     assert torch_trainer_class(1, 1) is TorchTrainer
     assert issubclass(torch_trainer_class(2, 2), TorchTrainer)
+
+
+def test_a_lost_worker_is_said_in_words_not_in_gloos_text() -> None:
+    from types import SimpleNamespace
+
+    from raytrain.ray_hooks import describe_error, error_detail
+
+    echoes = {
+        0: RuntimeError(
+            "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+        ),
+        2: RuntimeError("[../gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer."),
+    }
+    lost = SimpleNamespace(worker_failures=echoes)
+    assert describe_error(lost) == "a worker was lost (ranks 0, 2 lost the connection to it)"  # type: ignore[arg-type]
+    assert "Connection closed by peer" in error_detail(lost)  # type: ignore[arg-type]  # kept in raytrain.log
+    bug = SimpleNamespace(worker_failures={**echoes, 1: ValueError("loss_fn must return one loss per sample")})
+    assert describe_error(bug) == "rank 1: ValueError: loss_fn must return one loss per sample (and 2 more)"  # type: ignore[arg-type]

@@ -80,8 +80,11 @@ def _check_keys(where: str, given: dict[str, Any], valid: list[str]) -> None:
 def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
     """Import "module:attr" or "file.py:attr" (a path relative to `base_dir`); `ConfigError` when it fails.
 
-    A module loaded from a file is registered with Ray's own (vendored) cloudpickle to be shipped by value, so Ray
-    workers that cannot import it by name still get the function.
+    A project of several files works as it does with `python file.py`: the entry file's directory is put on the
+    driver's `sys.path` first, so the file imports its neighbours (`import charmodel`). The entry module and every
+    module imported from that directory are registered with Ray's own (vendored) cloudpickle to be shipped by
+    value, so Ray workers, which cannot import them by name (another machine, another working directory), still
+    get the functions and the classes they use. Under `ray job submit --working-dir` the same holds.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -94,11 +97,12 @@ def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
             if loader_spec is None or loader_spec.loader is None or not os.path.exists(path):
                 raise ConfigError(f"entry {spec!r}: file {path!r} does not exist")
             module = importlib.util.module_from_spec(loader_spec)
+            project = os.path.dirname(os.path.abspath(path))
+            if project not in sys.path:
+                sys.path.insert(0, project)
             sys.modules[name] = module
             loader_spec.loader.exec_module(module)
-            from ray import cloudpickle  # Ray's vendored copy: the one Ray serialises functions with
-
-            cloudpickle.register_pickle_by_value(module)
+            ship_by_value(project)
         else:
             module = importlib.import_module(module_name)
     except ImportError as err:
@@ -107,6 +111,24 @@ def load_entry(spec: str, base_dir: str) -> Callable[..., Any]:
     if not callable(function):
         raise ConfigError(f"entry {spec!r}: {module_name!r} has no callable {attr!r}")
     return function
+
+
+def ship_by_value(directory: str) -> list[str]:
+    """Register every imported module whose file lies under `directory` (and is not an installed package) with
+    Ray's cloudpickle to be pickled by value; returns their names."""
+    from ray import cloudpickle  # Ray's vendored copy: the one Ray serialises functions with
+
+    root = os.path.join(os.path.abspath(directory), "")
+    shipped = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if file and os.path.abspath(file).startswith(root) and "site-packages" not in file:
+            try:
+                cloudpickle.register_pickle_by_value(module)
+            except ValueError:  # a submodule of a package not in sys.modules by itself: its package covers it
+                continue
+            shipped.append(name)
+    return shipped
 
 
 @dataclasses.dataclass(frozen=True)

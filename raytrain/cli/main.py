@@ -97,11 +97,14 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     mem.add_argument("--gpus-per-node", type=int, help="devices per node (TP stays inside a node)")
     mem.add_argument(
         "--optimizer",
-        default="mixed_adam",
-        choices=["mixed_adam", "adam", "sgd_momentum", "sgd"],
-        help="state accounting: mixed_adam = ZeRO paper (2+2+12 bytes/param); default %(default)s",
+        default="adamw",
+        choices=["adamw", "sgd_momentum", "sgd"],
+        help="whose fp32 states raytrain keeps: adamw (Adam too) 8 bytes/param, sgd_momentum 4, sgd 0 (default "
+        "%(default)s)",
     )
-    mem.add_argument("--reserve", type=float, default=0.2, help="fraction of memory kept for activations etc.")
+    mem.add_argument(
+        "--precision", default="fp32", choices=["fp32", "bf16"], help="compute precision (default %(default)s)"
+    )
     mem.add_argument("--largest-layer-params", type=_count, default=0, help="params of the largest layer")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(run=_run_plan)
@@ -144,49 +147,97 @@ def _run_plan(args: argparse.Namespace) -> int:
                 f"{sum(plan.per_rank_samples):>7}  {samples}"
             )
     if want_memory:
-        from raytrain.memory_plan import format_memory_table, plan_memory
-
         for flag, value in (("--params", args.params), ("--gpus", args.gpus)):
             if value is None:
                 raise ConfigError(f"{flag} is required for the memory plan")
         if args.gpu_memory_gb is not None and not args.gpu_memory_gb > 0:
             raise ConfigError(f"--gpu-memory-gb must be > 0, got {args.gpu_memory_gb}")
-        memory = plan_memory(
-            args.params,
-            args.gpus,
-            optimizer=args.optimizer,
-            gpu_memory_bytes=None if args.gpu_memory_gb is None else int(args.gpu_memory_gb * 1e9),
-            gpus_per_node=args.gpus_per_node,
-            reserve_fraction=args.reserve,
-            largest_layer_params=args.largest_layer_params,
-        )
-        out["memory"] = dict(memory.bytes_per_device)
-        if memory.recommendation:
-            out["recommendation"] = memory.recommendation
         if lines:
             lines.append("")
-        lines.append(format_memory_table(memory))
-        if args.gpu_memory_gb is not None:
-            from raytrain.parallel.layout import choose_layout
-
-            try:
-                tp, pp, _ = choose_layout(
-                    num_params=args.params,
-                    largest_unit=args.largest_layer_params,
-                    min_workers=args.gpus,
-                    workers_per_node=args.gpus_per_node or args.gpus,
-                    device_memory_bytes=int(args.gpu_memory_gb * 1e9),
-                )
-                runs = f"tp {tp}, pp {pp}" + (", zero2 on the dp axis" if tp * pp > 1 else "")
-            except ConfigError:
-                runs = "nothing: the run is refused before any worker starts"
-            out["auto_layout"] = runs
-            lines.append(
-                f"ParallelConfig(tp='auto', pp='auto') at min_workers={args.gpus} runs: {runs} (raytrain keeps fp32 "
-                "parameters, gradients and Adam moments, 16 bytes/param, whatever --optimizer)"
-            )
+        lines += _memory_plan(args, out)
     print(json.dumps(out) if args.json else "\n".join(lines))
     return 0
+
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}  # per parameter, fp32, as raytrain keeps them
+
+
+def _memory_plan(args: argparse.Namespace, out: dict[str, object]) -> list[str]:
+    """The memory part of `raytrain plan`: each strategy's peak per device as raytrain's loop allocates it
+    (`raytrain.memory_plan.loop_memory`: fp32 parameters and gradients, the optimizer's fp32 states, the gathered
+    units), and one recommendation, the layout raytrain itself would choose: `strategy="auto"`'s pick among ddp,
+    zero2 and zero3, else tp/pp `auto`'s layout, else none; then what the other optimizers would change."""
+    from raytrain.memory_plan import GB, loop_memory
+    from raytrain.parallel.layout import choose_layout as choose_model_parallel
+    from raytrain.parallel.strategy import RESERVE_FRACTION, choose_layout
+
+    memory = None if args.gpu_memory_gb is None else int(args.gpu_memory_gb * 1e9)
+
+    def peaks(state_bytes: int) -> dict[str, int]:
+        return {
+            name: loop_memory(
+                args.params,
+                name,
+                args.gpus,
+                largest_unit_params=args.largest_layer_params,
+                optimizer_bytes_per_param=state_bytes,
+                precision=args.precision,
+            ).total
+            for name in ("ddp", "zero1", "zero2", "zero3")
+        }
+
+    def recommend(optimizer: str) -> tuple[str, str]:
+        assert memory is not None
+        try:
+            layout = choose_layout(
+                "auto",
+                "unsharded",
+                num_params=args.params,
+                largest_unit=args.largest_layer_params,
+                world_size=args.gpus,
+                accumulation_steps=1,
+                precision=args.precision,
+                memory_bytes=memory,
+                optimizer_kind=optimizer,
+            )
+            return layout.strategy, layout.reason.removeprefix("strategy auto -> ")
+        except ConfigError:
+            pass
+        try:
+            tp, pp, why = choose_model_parallel(
+                num_params=args.params,
+                largest_unit=args.largest_layer_params,
+                min_workers=args.gpus,
+                workers_per_node=args.gpus_per_node or args.gpus,
+                device_memory_bytes=memory,
+            )
+            return f"tp={tp},pp={pp}", f"no data-parallel strategy fits; {why} (counted with AdamW's states)"
+        except ConfigError as err:
+            return "none", str(err)
+
+    table = peaks(OPTIMIZER_STATE_BYTES[args.optimizer])
+    out["memory"] = table
+    lines = [
+        f"peak per device as raytrain allocates it: fp32 parameters and gradients and {args.optimizer}'s fp32 states "
+        f"({OPTIMIZER_STATE_BYTES[args.optimizer]} bytes/param), compute in {args.precision}, largest FSDP unit "
+        f"{args.largest_layer_params:,} parameters; activations not counted"
+    ]
+    budget = None if memory is None else memory * (1 - RESERVE_FRACTION)
+    header = f"{'strategy':<9} {'GB/device':>10}" + ("" if budget is None else f"  fits {budget / GB:.3g} GB budget?")
+    lines.append(header)
+    for name, size in table.items():
+        fits = "" if budget is None else ("  yes" if size <= budget else "  no")
+        lines.append(f"{name:<9} {size / GB:>10.3g}{fits}")
+    if memory is None:
+        lines.append("recommendation: give --gpu-memory-gb to get one")
+        return lines
+    choice, why = recommend(args.optimizer)
+    out["recommendation"] = choice
+    lines.append(f"recommendation: {choice} ({why}; zero1 is never chosen: raytrain's zero2 holds less)")
+    others = {name: recommend(name)[0] for name in OPTIMIZER_STATE_BYTES if name != args.optimizer}
+    out["recommendation_by_optimizer"] = {args.optimizer: choice, **others}
+    lines.append("with another optimizer: " + ", ".join(f"{name} -> {pick}" for name, pick in others.items()))
+    return lines
 
 
 def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -425,7 +476,12 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", help="path to the TOML file")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the plan; start no worker")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every check a real start runs (storage, your functions on the model, the data and loss_fn on real "
+        "rows, pretrained weights, the cluster's room) and print the plan; no worker starts",
+    )
     p.add_argument("--workers", help="override [cluster] min/max_workers: MIN:MAX or N")
     p.add_argument("--global-batch", type=int, help="override [batch] global_batch")
     p.add_argument("--micro-batch", type=int, help="override [batch] micro_batch")
@@ -471,20 +527,22 @@ def _run_fit(args: argparse.Namespace) -> int:
     job = parse_fit_config(args.config, _fit_overrides(args))
     args.run_dir, args.storage_at = check_storage(job.spec)  # before any Ray process starts, in --dry-run too
     check_resumable(args.storage_at)
-    if args.dry_run:
+    check_ray_address()
+    if args.dry_run:  # every check of a real start, then the plan; no worker starts
+        _make_trainer(job).check()
         print(describe_plan(job))
         return 0
-    check_ray_address()
     with run_lock(args.run_dir):  # before Ray starts: a second `raytrain fit` of the same run refuses at once
         return _train_fit(job, args)
 
 
-def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
+def _make_trainer(job: FitJob) -> Any:
+    """The `ElasticTrainer` of a parsed config file (its datasets built on the driver, Ray started for them)."""
     from raytrain.trainer import ElasticTrainer
 
     if job.layout_reason:
         say(job.layout_reason)
-    trainer = ElasticTrainer(
+    return ElasticTrainer(
         model_fn=job.entries["model"],
         loss_fn=job.entries["loss"],
         optimizer_fn=job.entries["optimizer"],
@@ -501,18 +559,41 @@ def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
         init_from=job.init_from,
         init_key_map=job.entries.get("init_key_map"),
     )
+
+
+def _train_fit(job: FitJob, args: argparse.Namespace) -> int:
+    trainer = _make_trainer(job)
     started = time.time()
     result = trainer.fit()
     summary = fit_summary(result, started)
-    print(json.dumps(summary) if args.json else "\n".join(f"{k:<16}{v}" for k, v in summary.items()))
+    print(json.dumps(summary) if args.json else format_fit_summary(summary))
     return 0
 
 
-def _build_datasets(job: FitJob) -> dict[str, Any]:
-    """Call the datasets builder after Ray is up (a local instance unless RAY_ADDRESS names a cluster)."""
-    from raytrain.trainer import connect_ray
+def format_fit_summary(summary: dict[str, Any]) -> str:
+    """`raytrain fit`'s summary for people, laid out as the demo's (`format_summary`)."""
+    start = summary["resumed_from_step"]
+    loss = summary["final_loss"]
+    sizes = summary["world_sizes"]
+    return "\n".join(
+        [
+            f"run directory   {summary['run_dir']}",
+            f"steps           {summary['steps']}"
+            + (f" (resumed from step {start})" if start else " (from the start)")
+            + (f", final loss {loss:.4f}" if loss is not None else "")
+            + (f", last epoch {summary['last_epoch']}" if summary["last_epoch"] is not None else ""),
+            f"world sizes     {' -> '.join(str(w) for w in sizes) or '-'} ({summary['restarts']} restarts)",
+            f"checkpoint      {summary['checkpoint'] or 'none'}",
+        ]
+    )
 
-    connect_ray()
+
+def _build_datasets(job: FitJob) -> dict[str, Any]:
+    """Call the datasets builder after Ray is up (a local instance, sized for the run, unless RAY_ADDRESS names a
+    cluster)."""
+    from raytrain.trainer import connect_ray, local_cpus
+
+    connect_ray(local_cpus(job.spec), f"{job.spec.cluster.max_workers} workers and Ray Data")
     datasets = job.entries["datasets"]()
     if not isinstance(datasets, dict) or "train" not in datasets:
         raise ConfigError(
@@ -578,7 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Elastic distributed PyTorch training on Ray: the effective batch, LR and sample order "
         "stay the same when workers join or leave.",
         epilog="examples:\n"
-        "  raytrain demo                                     # elastic training on fake local nodes, ~3 min\n"
+        "  raytrain demo                                     # elastic training on fake local nodes, ~2 min\n"
         "  raytrain plan --global-batch 1024 --micro-batch 16 --workers 1:12\n"
         "  raytrain fit examples/fit_mlp.toml --dry-run      # check a job and print its plan\n"
         "  raytrain fit examples/fit_mlp.toml --workers 2    # train it (local Ray, or RAY_ADDRESS's cluster)\n"

@@ -180,6 +180,27 @@ def run_total_steps(
     return min(step + left, max_steps) if max_steps is not None else step + left
 
 
+def describe_run_length(num_rows: int, global_batch: int, drop_last: bool, loop: Any) -> str:
+    """Pure: one line saying how long the run is and what ends it, for `loop` (a `LoopConfig`): its epochs, its
+    max_steps, or (both given) whichever comes first, and at which step."""
+    per_epoch = steps_per_epoch(num_rows, global_batch, drop_last)
+    if loop.max_steps is None:
+        epochs = loop.epoch_limit
+        return f"run length: {epochs} epoch(s) of {per_epoch} steps, {epochs * per_epoch} steps"
+    if loop.epochs is None:
+        return f"run length: max_steps={loop.max_steps} ({loop.max_steps / per_epoch:.3g} epochs of {per_epoch} steps)"
+    by_epochs = loop.epochs * per_epoch
+    if by_epochs <= loop.max_steps:
+        return (
+            f"run length: epochs={loop.epochs} ends the run at step {by_epochs} ({per_epoch} steps per epoch), "
+            f"before max_steps={loop.max_steps}"
+        )
+    return (
+        f"run length: max_steps={loop.max_steps} ends the run, in epoch {(loop.max_steps - 1) // per_epoch + 1} of "
+        f"{loop.epochs} ({per_epoch} steps per epoch)"
+    )
+
+
 def step_positions(order: np.ndarray, sample_in_epoch: int, global_batch: int) -> np.ndarray:
     """Row positions of the global batch that starts at `sample_in_epoch` (fewer than B only at an epoch's end)."""
     return order[sample_in_epoch : sample_in_epoch + global_batch]

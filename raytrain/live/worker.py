@@ -105,7 +105,7 @@ class LiveWorker:
             num_rows=self.num_rows,
             global_batch=self.global_batch,
             drop_last=spec.batch.drop_last,
-            epochs=spec.loop.epochs,
+            epochs=spec.loop.epoch_limit,
             max_steps=spec.loop.max_steps,
             step=0,
             epoch=0,

@@ -56,7 +56,7 @@ def unit_params(model: nn.Module, units: list[nn.Module]) -> list[int]:
 
 
 def _optimizer_bytes(optimizer_kind: str) -> int:
-    return {"adam": 8, "sgd_momentum": 4, "sgd": 0}.get(optimizer_kind, 8)
+    return {"adam": 8, "adamw": 8, "sgd_momentum": 4, "sgd": 0}.get(optimizer_kind, 8)
 
 
 def choose_layout(
