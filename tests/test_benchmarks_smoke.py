@@ -44,15 +44,6 @@ def run_benchmark(script: str, *args: str) -> dict[str, Any]:
     return headline
 
 
-def test_communication_quick() -> None:
-    headline = run_benchmark("communication.py")
-    assert {"syncs_per_step_raytrain", "syncs_per_step_naive"} <= headline.keys()
-    # Counts, not timings: raytrain syncs once per optimizer step, the naive loop once per micro-step.
-    assert headline["syncs_per_step_raytrain"] == pytest.approx(1.0)
-    assert headline["syncs_per_step_naive"] == pytest.approx(headline["k"])
-    assert headline["zero3_syncs_per_step_raytrain"] == pytest.approx(1.0, abs=0.01)
-
-
 def test_parallel_quick() -> None:
     """Real allocations per rank under tp 2, pp 2 and tp 2 x pp 2 against dp 4, and the same loss curve."""
     headline = run_benchmark("parallel.py")
@@ -118,3 +109,47 @@ def test_input_pipeline_quick() -> None:
     headline = run_benchmark("input_pipeline.py")
     assert "data_wait_fraction" in headline
     assert 0 <= headline["data_wait_fraction"] < 1
+
+
+def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Path) -> None:
+    """The harness end to end on `communication.py --quick`: the results file holds the machine, the versions, the
+    runs and min / median / max per figure; the table is rendered from it and names it; a goal's verdict comes
+    from the worst repetition."""
+    out = tmp_path / "2026-12-01-abc-quick.json"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "run_all.py"),
+            "--quick",
+            "--only",
+            "communication",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {"machine", "commit", "date", "settings", "benchmarks"} <= results.keys()
+    assert results["machine"]["torch"] and results["machine"]["ray"]
+    headline = results["benchmarks"]["communication"]["runs"][0]
+    # Counts, not timings: raytrain syncs once per optimizer step, the naive loop once per micro-step.
+    assert headline["syncs_per_step_raytrain"] == pytest.approx(1.0)
+    assert headline["syncs_per_step_naive"] == pytest.approx(headline["k"])
+    assert headline["zero3_syncs_per_step_raytrain"] == pytest.approx(1.0, abs=0.01)
+    figures = results["benchmarks"]["communication"]["figures"]
+    assert figures["syncs_per_step_raytrain"] == {"min": 1.0, "median": 1.0, "max": 1.0, "n": 1}
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tables import render
+
+    table = render(results, out.name)
+    assert f"benchmarks/results/{out.name}" in table
+    assert "| gradient syncs per optimizer step, DDP, k = 8 (`syncs_per_step_raytrain`) | 1 | <= 1: met |" in table
+    worse = json.loads(out.read_text())
+    worse["benchmarks"]["communication"]["figures"]["syncs_per_step_raytrain"]["max"] = 2.0  # one bad repetition
+    assert "<= 1: **missed**" in render(worse, out.name)
