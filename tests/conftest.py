@@ -57,3 +57,42 @@ def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     )
     assert summary["world_sizes"] == [3]
     return losses(summary)
+
+
+# ---------------------------------------------------------------- per-tier times (`.ci/run` prints them)
+
+TIERS = ("slow", "ray")  # a test's tier: the first of these markers it has, else "gloo" (multi-process) or "pure"
+_TIMES: dict[str, list[float]] = {}
+
+
+def _tier(report: pytest.TestReport) -> str:
+    for marker in TIERS:
+        if marker in report.keywords:
+            return marker
+    return "gloo" if "run_world" in report.keywords or report.nodeid.split("::")[0] in _GLOO_FILES else "pure"
+
+
+_GLOO_FILES = {
+    "tests/test_equivalence.py",
+    "tests/test_parallel_equivalence.py",
+    "tests/test_checkpoint_reshard.py",
+    "tests/test_init_contract.py",
+    "tests/test_pretrained.py",
+    "tests/test_collectives.py",
+}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each test's time (setup, call and teardown) to its tier's total."""
+    _TIMES.setdefault(_tier(report), []).append(report.duration)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With RAYTRAIN_TIER_TIMES=PATH, write {tier: seconds summed over its tests} there (in the controlling process
+    when tests run in parallel: it receives every worker's reports)."""
+    import json
+
+    path = os.environ.get("RAYTRAIN_TIER_TIMES")
+    if path and not hasattr(session.config, "workerinput"):  # not an xdist worker
+        with open(path, "w") as f:
+            json.dump({tier: round(sum(times), 1) for tier, times in sorted(_TIMES.items())}, f)
