@@ -431,24 +431,38 @@ def choose_init(mode: str, model_fn: Callable[[], nn.Module], seed: int, *, pref
     """
     if mode == "full":
         return InitChoice(False, "init 'full' was asked for")
-    try:
-        built = record_build(model_fn)
-    except Exception as err:
-        blocker: str | None = f"model_fn cannot be recorded without memory ({type(err).__name__}: {err})"
-    else:
-        size = sum(t.numel() * t.element_size() for _, t in _unique_tensors(built.model))
-        if mode == "auto" and size <= FULL_BUILD_MAX_BYTES and not prefer_sharded:
+    if mode == "auto" and not prefer_sharded:  # the size alone decides a small model: no recording needed
+        size = _meta_size(model_fn)
+        if size is not None and size <= FULL_BUILD_MAX_BYTES:
             return InitChoice(
                 False,
                 f"{size / 2**20:.3g} MiB of parameters and buffers <= {FULL_BUILD_MAX_BYTES / 2**30:g} GiB: "
                 "built whole on every rank, exactly as model_fn builds it",
             )
+    try:
+        built = record_build(model_fn)
+    except Exception as err:
+        blocker: str | None = f"model_fn cannot be recorded without memory ({type(err).__name__}: {err})"
+    else:
         blocker = check_trace(built.trace, seed)
     if blocker is None:
         return InitChoice(True, "recorded on the meta device; each rank replays and keeps only its shard")
     if mode == "meta":
         raise ValueError(blocker)
     return InitChoice(False, f"built whole on every rank: {blocker}")
+
+
+def _meta_size(model_fn: Callable[[], nn.Module]) -> int | None:
+    """The bytes of `model_fn()`'s parameters and buffers, built on the meta device (no memory, no init), or None
+    when it does not build there."""
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception:
+        return None
+    if not isinstance(model, nn.Module):
+        return None
+    return sum(t.numel() * t.element_size() for _, t in _unique_tensors(model))
 
 
 def _unique_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,13 +36,13 @@ def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_pat
 
 
 def test_dry_run_names_the_recovery_mode_and_refuses_live_with_what_it_does_not_run(tmp_path: Path) -> None:
-    text = (
-        Path(EXAMPLE)
-        .read_text()
-        .replace('[entry]\nmodel = "fit_entry.py', f'[entry]\nmodel = "{REPO}/examples/fit_entry.py')
+    (tmp_path / "live_entry.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\n"
+        "from fit_entry import loss, model, optimizer, tp_plan  # noqa: F401\n"
+        "from raytrain.toy import regression_dataset\n\n"
+        "def datasets():\n    return {'train': regression_dataset(3200, features=16, seed=0)}  # no validation set\n"
     )
-    for name in ("loss", "optimizer", "datasets", "tp_plan"):
-        text = text.replace(f'{name} = "fit_entry.py', f'{name} = "{REPO}/examples/fit_entry.py')
+    text = Path(EXAMPLE).read_text().replace('"fit_entry.py:', '"live_entry.py:')
     job = write(tmp_path, text.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
     result = run_cli("fit", job, "--dry-run", "--storage", str(tmp_path / "runs"))
     assert result.returncode == 0, result.stderr
@@ -52,6 +52,10 @@ def test_dry_run_names_the_recovery_mode_and_refuses_live_with_what_it_does_not_
     zero = run_cli("fit", job, "--dry-run", "--strategy", "zero2", "--storage", str(tmp_path / "runs"))
     assert zero.returncode == 2
     assert "loop.strategy must be 'ddp' or 'auto' (each replica holds the whole model), got 'zero2'" in zero.stderr
+    example = Path(EXAMPLE).read_text().replace('"fit_entry.py:', f'"{REPO}/examples/fit_entry.py:')
+    with_val = write(tmp_path, example.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
+    refused = run_cli("fit", with_val, "--dry-run", "--storage", str(tmp_path / "runs"))  # as a real start refuses
+    assert refused.returncode == 2 and "does not run validation (datasets['val']) yet" in refused.stderr
 
 
 def test_dry_run_with_tp_or_pp_shows_the_layouts_and_checks_the_plan(tmp_path: Path) -> None:

@@ -166,8 +166,16 @@ def test_the_elastic_policy_hooks_whole_replicas_counts_per_node() -> None:
     assert WholeReplicasPolicy(config, tp=2, replica=2)._count_possible_workers({}) == 0
     free = ScalingConfig(num_workers=(2, 7), resources_per_worker={"CPU": 0})  # Ray: no resources, max_workers
     assert WholeReplicasPolicy(free, tp=2, replica=2)._count_possible_workers(nodes) == 6
-    assert torch_trainer_class(1, 1) is TorchTrainer
-    assert issubclass(torch_trainer_class(2, 2), TorchTrainer)
+    assert issubclass(torch_trainer_class(1, 1), TorchTrainer) and issubclass(torch_trainer_class(2, 2), TorchTrainer)
+    # Ctrl-C: Ray registers its SIGINT handler through this method (it waits on the controller inside the handler);
+    # raytrain's subclass keeps the controller instead, so the default handler raises KeyboardInterrupt at once.
+    assert "_register_sigint_handler(controller)" in inspect.getsource(TorchTrainer._initialize_and_run_controller)
+    trainer = torch_trainer_class(1, 1).__new__(torch_trainer_class(1, 1))
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    trainer._register_sigint_handler("controller")
+    assert signal.getsignal(signal.SIGINT) is before and trainer.controller == "controller"
 
 
 def test_a_lost_worker_is_said_in_words_not_in_gloos_text() -> None:

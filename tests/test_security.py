@@ -83,7 +83,11 @@ def test_the_dashboard_raytrain_starts_listens_on_loopback_only(tmp_path: Path) 
     )
     try:
         assert process.stdout is not None
-        url = process.stdout.readline().strip()
+        url = ""
+        while not url.startswith("http"):  # after raytrain's line saying it started a local instance
+            line = process.stdout.readline()
+            assert line, "connect_ray printed no state API address"
+            url = line.strip()
         port = int(url.rsplit(":", 1)[1])
         listening = wait_for(f"a socket listening on port {port}", lambda: _listeners(port), 60)
         assert listening == {"127.0.0.1"}, f"the dashboard listens on {listening}"
