@@ -194,6 +194,7 @@ def connect_ray(local_cpus: int = 1, reason: str = "") -> None:
         init_ray(address=address)
     else:
         port = own_state_api()
+        explicit_token_mode()
         cpus = max(os.cpu_count() or 1, local_cpus)
         init_ray(
             address="local",
@@ -206,6 +207,22 @@ def connect_ray(local_cpus: int = 1, reason: str = "") -> None:
             f"started a local Ray instance with {cpus} logical CPUs on {os.cpu_count()} cores"
             + (f" ({reason})" if reason else "")
         )
+
+
+def explicit_token_mode() -> None:
+    """Before a local instance starts: when a Ray authentication token exists and RAY_AUTH_MODE is unset, Ray turns
+    token authentication on for the new cluster and warns that it did, on every run; say "token" explicitly (the
+    same behaviour, no warning). Without a token, Ray's warning that the cluster is unauthenticated stays."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+
+        has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    except (ImportError, AttributeError, TypeError):  # another Ray version: leave Ray's own behaviour
+        return
+    if has_token:
+        os.environ["RAY_AUTH_MODE"] = "token"
 
 
 def started_here() -> bool:
