@@ -1,7 +1,8 @@
-"""Building the model without materializing it whole: record `model_fn()` on the meta device, replay per tensor.
+"""Building the model without materializing it whole: record `model_fn()` without memory, replay per tensor.
 
-`record_build(model_fn)` runs the user's constructor on the meta device (no memory, no compute) while a recorder
-logs every tensor operation that creates or writes a tensor: the layers' own `reset_parameters`, a root-level
+`record_build(model_fn)` runs the user's constructor under torch's FakeTensorMode (tensors with shapes and
+devices but no memory, no compute; the model is then handed on with meta tensors) while a recorder logs every
+tensor operation that creates or writes a tensor: the layers' own `reset_parameters`, a root-level
 `self.apply(self._init_weights)` (nanoGPT, Hugging Face's `post_init`), a parent writing its child's weight, a
 buffer computed with `torch.tril(torch.ones(...))`, `torch.tensor(0)` constants, `.to(torch.float64)` at the end.
 Nothing is interpreted: the log is the constructor's own computation, whatever code performed it.
@@ -52,7 +53,7 @@ def _key(tensor: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class Ref:
-    """A recorded meta tensor: its storage and its geometry over that storage (so views need no replay)."""
+    """A recorded (fake) tensor: its storage and its geometry over that storage (so views need no replay)."""
 
     storage: int
     dtype: torch.dtype
@@ -79,7 +80,7 @@ class _Const:
 
 @dataclass
 class _Op:
-    """One recorded operation that created or wrote meta storage."""
+    """One recorded operation that created or wrote (fake) storage."""
 
     index: int
     func: Any  # an aten OpOverload
@@ -97,9 +98,9 @@ class InitTrace:
     ops: list[_Op] = field(default_factory=list)
     writers: dict[int, list[int]] = field(default_factory=dict)  # storage -> indices of ops creating/writing it
     tensors: dict[str, Ref] = field(default_factory=dict)  # every parameter/buffer name (ties: several names)
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # names of real (non-meta) tensors: values
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # names of real (not fake) tensors: values
     untraced: list[str] = field(default_factory=list)  # names whose storage no recorded operation made
-    _keep: list[torch.Tensor] = field(default_factory=list)  # meta tensors kept alive (their storage ids stay unique)
+    _keep: list[torch.Tensor] = field(default_factory=list)  # fake tensors kept alive: their storage ids stay unique
 
     # -- recording -------------------------------------------------------------------------------------------
     def _ref(self, value: Any) -> Any:
@@ -114,7 +115,7 @@ class InitTrace:
             return _Const(value.detach().clone())
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """Log `func(*args, **kwargs) -> out` when it creates new meta storage or writes existing storage."""
+        """Log `func(*args, **kwargs) -> out` when it creates new (fake) storage or writes existing storage."""
         written: list[torch.Tensor] = []
         for position, argument in enumerate(func._schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
