@@ -102,23 +102,3 @@ def test_a_drained_node_costs_no_step(tmp_path: Path, fixed_size_losses: list[fl
     assert drained["steps_lost"] == 0, f"a drained node retrained {drained['steps_lost']} steps"
     lines = summary["stderr"].splitlines()
     assert any("drain" in line for line in lines if line.startswith("[raytrain]")), summary["stderr"]
-
-
-def test_sigkill_of_a_worker_restarts_at_the_same_size(tmp_path: Path, fixed_size_losses: list[float]) -> None:
-    summary = demo(
-        tmp_path,
-        "kill",
-        "--nodes",
-        "3",
-        "--workers",
-        "2:3",
-        "--events",
-        "kill@6",
-        "--steps",
-        "30",
-        "--sample-time",
-        "0.01",
-    )
-    assert summary["world_sizes"] == [3, 3]
-    check_invariants(summary, 30)
-    assert_same_curve(summary, fixed_size_losses)

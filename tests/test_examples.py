@@ -48,26 +48,27 @@ def mean_loss(lines: list[dict[str, Any]]) -> float:
     return sum(m["loss"] for m in lines) / len(lines)
 
 
-def test_train_mlp_example(tmp_path: Path) -> None:
-    completed = run_example("train_mlp.py", tmp_path)
-    lines = check_metrics(tmp_path / "mlp" / "metrics.jsonl")
+def check_restart_run(completed: subprocess.CompletedProcess[str], storage: Path) -> list[dict[str, Any]]:
+    """What `python examples/train_mlp.py` (the restart path) must have done; its metrics lines."""
+    lines = check_metrics(storage / "mlp" / "metrics.jsonl")
     assert {m["global_batch_size"] for m in lines} == {128}
     assert {m["world_size"] for m in lines} == {2}
-    assert len(list((tmp_path / "data" / "regression").glob("*.parquet"))) == 4
-    audit = [json.loads(line) for line in (tmp_path / "mlp" / "samples.jsonl").read_text().splitlines()]
+    assert len(list((storage / "data" / "regression").glob("*.parquet"))) == 4
+    audit = [json.loads(line) for line in (storage / "mlp" / "samples.jsonl").read_text().splitlines()]
     ids = [i for record in audit for i in record["ids"]]
     assert len(ids) == len(set(ids)) == STEPS * 128  # 12 steps stay inside epoch 0: no id twice
     assert "metrics:" in completed.stdout and f"steps {STEPS}: loss" in completed.stdout
     # It trained: measured 0.68 -> 0.26 over 12 steps (first three 0.66, last three 0.30 on average).
     assert mean_loss(lines[-3:]) < 0.7 * mean_loss(lines[:3]), [m["loss"] for m in lines]
+    return lines
 
 
-def test_train_mlp_example_with_live_recovery_matches_the_restart_paths_curve(tmp_path: Path) -> None:
-    """`--recovery live`: the same data (a Ray dataset, deterministic mode), the same order and updates as the
-    restart path's run, so the same loss curve; the run's files in the same formats, its checkpoints its own."""
-    run_example("train_mlp.py", tmp_path / "restart")
+def test_train_mlp_example_and_its_live_recovery_mode_give_the_same_curve(tmp_path: Path) -> None:
+    """The example as a user runs it (restart path), then with `--recovery live`: the same data (a Ray dataset,
+    deterministic mode), the same order and updates, so the same loss curve; the run's files in the same formats,
+    its checkpoints its own."""
+    restart = check_restart_run(run_example("train_mlp.py", tmp_path / "restart"), tmp_path / "restart")
     completed = run_example("train_mlp.py", tmp_path / "live", "--recovery", "live")
-    restart = check_metrics(tmp_path / "restart" / "mlp" / "metrics.jsonl")
     live = check_metrics(tmp_path / "live" / "mlp" / "metrics.jsonl")
     assert {m["global_batch_size"] for m in live} == {128} and {m["world_size"] for m in live} <= {1, 2}
     for a, b in zip(live, restart, strict=True):

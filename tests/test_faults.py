@@ -1,5 +1,5 @@
 """Fault injection on a local multi-node Ray cluster (marker `faults`): many failures in one run at seeded random
-steps and phases, a killed driver, the same run started twice. In every case: the global batch is exact at every
+steps and phases, the same run started twice then its driver killed. In every case: the global batch is exact at every
 step, no sample is lost or repeated in any completed epoch, and the loss curve equals a fixed-size run's."""
 
 from __future__ import annotations
@@ -97,57 +97,46 @@ def _demo_command(tmp_path: Path, name: str, steps: int) -> list[str]:
     ]
 
 
-def test_a_killed_driver_and_the_run_started_again(tmp_path: Path) -> None:
-    """SIGKILL to the driver's whole process group (the driver and the Ray cluster it started: a machine lost),
-    then the same command again: it resumes from the last committed checkpoint and finishes, nothing lost."""
+def test_a_second_start_is_refused_and_a_killed_driver_resumes(tmp_path: Path) -> None:
+    """The same run started twice at once: the second refuses at once, naming the first, which trains on
+    undisturbed. Then SIGKILL to the first driver's whole process group (the driver and the Ray cluster it started:
+    a machine lost), and the same command again: it resumes from the last committed checkpoint and finishes,
+    nothing lost."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    command = _demo_command(tmp_path, "killed", 40)
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    steps = 60
+    command = _demo_command(tmp_path, "killed", steps)
+    metrics_file, starts_file = tmp_path / "killed" / "metrics.jsonl", tmp_path / "killed" / "events.jsonl"
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    first = subprocess.Popen(command, env=env, start_new_session=True, **quiet)  # type: ignore[call-overload]
     try:
+        wait_for("the first run to train", metrics_file.exists, 300, interval_s=0.5)
+        started = time.monotonic()
+        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        refused_after, refused_at = time.monotonic() - started, len(read_jsonl(metrics_file))
         wait_for(
-            "12 steps before the kill",
-            lambda: (
-                (tmp_path / "killed" / "metrics.jsonl").exists()
-                and len(read_jsonl(tmp_path / "killed" / "metrics.jsonl")) >= 12
-            ),
+            "12 steps, and 2 after the refusal, before the kill",
+            lambda: len(read_jsonl(metrics_file)) >= max(12, refused_at + 2),
             300,
             interval_s=0.5,
         )
+        assert first.poll() is None, "the first run ended before the kill"
+        assert len(read_jsonl(starts_file)) == 1  # the refused start did not disturb the first: no restart
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=60)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert "is already being trained by pid" in second.stderr.strip().splitlines()[-1]
+    print(f"the second start refused after {refused_after:.1f} s")
     time.sleep(2)
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    starts = read_jsonl(tmp_path / "killed" / "events.jsonl")
+    starts = read_jsonl(starts_file)
     assert starts[-1]["restored"] and starts[-1]["step"] >= CHECKPOINT_EVERY
-    metrics = read_jsonl(tmp_path / "killed" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 41))
+    metrics = read_jsonl(metrics_file)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     assert {m["global_batch_size"] for m in metrics} == {24}
     by_epoch: dict[int, list[int]] = {}
     for record in read_jsonl(tmp_path / "killed" / "samples.jsonl"):
         by_epoch.setdefault(record["epoch"], []).extend(record["ids"])
-    for epoch in range(4):
+    for epoch in range(steps // 10):
         assert sorted(by_epoch[epoch]) == list(range(240)), f"epoch {epoch}: lost or repeated samples"
-
-
-def test_the_same_run_started_twice_refuses_the_second(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    command = _demo_command(tmp_path, "twice", 30)
-    first = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for("the first run to train", lambda: (tmp_path / "twice" / "metrics.jsonl").exists(), 300, 0.5)
-        started = time.monotonic()
-        second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
-        refused_after = time.monotonic() - started
-        _, stderr = first.communicate(timeout=600)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert "is already being trained by pid" in second.stderr.strip().splitlines()[-1]
-    assert first.returncode == 0, stderr[-3000:]
-    metrics = read_jsonl(tmp_path / "twice" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 31))  # the first run was not disturbed
-    assert len(read_jsonl(tmp_path / "twice" / "events.jsonl")) == 1
-    print(f"the second start refused after {refused_after:.1f} s")

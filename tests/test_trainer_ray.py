@@ -111,21 +111,9 @@ def test_unknown_strategy_and_bad_ranges_are_rejected_before_anything_runs() -> 
         )
 
 
-@pytest.mark.parametrize("features", ["tensor", "list"])
-def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path, features: str) -> None:
-    """Every sample once per epoch at W = 3; the features as a tensor column or as a plain Arrow list column
-    (which Ray Data hands over as an object array of arrays: stacked into one 2-D array per read)."""
-    trainer = make_trainer(tmp_path, "stream", workers=3, audit=True, deterministic=False)
-    if features == "list":
-        import pyarrow as pa
-        import ray.data
-
-        from raytrain.toy import regression_arrays
-
-        arrays = regression_arrays(ROWS, 8, 0)
-        table = {name: pa.array(list(value)) if value.ndim > 1 else pa.array(value) for name, value in arrays.items()}
-        trainer.datasets["train"] = ray.data.from_arrow(pa.table(table))
-    result = trainer.fit()
+def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_path: Path) -> None:
+    """Every sample once per epoch at W = 3."""
+    result = make_trainer(tmp_path, "stream", workers=3, audit=True, deterministic=False).fit()
     lines = read_jsonl(result.metrics_path)
     sizes = [m["global_batch_size"] for m in lines]
     # Exactly B at every step but each epoch's last, which holds the remainder: 4 full steps and 10 samples.
@@ -135,6 +123,25 @@ def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_pa
     for epoch in (0, 1):
         ids = [i for record in audit if record["epoch"] == epoch for i in record["ids"]]
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: duplicates or missing ids"
+
+
+def test_a_plain_arrow_list_column_reaches_the_loss_as_a_2d_array(ray_local: None) -> None:
+    """Ray Data hands a plain Arrow list column (not a tensor column) over as an object array of arrays; the
+    streaming reader stacks each read into one 2-D array (`as_column`), as the materialized one does."""
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    from raytrain.data.materialized import as_column
+    from raytrain.toy import regression_arrays
+
+    arrays = regression_arrays(ROWS, 8, 0)
+    table = {name: pa.array(list(value)) if value.ndim > 1 else pa.array(value) for name, value in arrays.items()}
+    batches = list(ray.data.from_arrow(pa.table(table)).iter_batches(batch_size=16, batch_format="numpy"))
+    assert batches[0]["x"].dtype == object  # what the reader is given
+    stacked = np.concatenate([as_column([batch["x"]]) for batch in batches])
+    assert stacked.shape == (ROWS, 8) and stacked.dtype == arrays["x"].dtype
+    assert np.array_equal(stacked, arrays["x"])
 
 
 def test_indexed_data_orders_rows_by_id_whatever_the_block_order(ray_local: None) -> None:
