@@ -217,12 +217,14 @@ def explicit_token_mode() -> None:
         return
     try:
         from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+        from ray._raylet import Config
 
         has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
     except (ImportError, AttributeError, TypeError):  # another Ray version: leave Ray's own behaviour
         return
     if has_token:
         os.environ["RAY_AUTH_MODE"] = "token"
+        Config.initialize("")  # this process's cached Ray config reads the mode again (as Ray does when it sets it)
 
 
 def started_here() -> bool:

@@ -77,7 +77,11 @@ def test_the_dashboard_raytrain_starts_listens_on_loopback_only(tmp_path: Path) 
         "print(os.environ['RAY_API_SERVER_ADDRESS'], flush=True)\n"
         "sys.stdin.readline()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    home = tmp_path / "home"  # a machine where `ray get-auth-token --generate` was run: a token in ~/.ray
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE")}
+    env["HOME"] = str(home)
     process = subprocess.Popen(
         [sys.executable, "-c", code],
         env=env,
@@ -100,8 +104,9 @@ def test_the_dashboard_raytrain_starts_listens_on_loopback_only(tmp_path: Path) 
     finally:
         _, stderr = process.communicate(input="\n", timeout=120)  # the newline lets the child exit
     assert json.dumps(url).startswith('"http://127.0.0.1:')
-    # With a token on the machine Ray turns token authentication on and warned so on every run; raytrain says
-    # RAY_AUTH_MODE=token explicitly: the same protection, no warning.
+    # With a token on the machine Ray turns token authentication on and warns so on every run; raytrain says
+    # RAY_AUTH_MODE=token explicitly (and has this process's Ray config read it again): the same protection, the
+    # instance starts, no warning.
     assert "Token authentication is enabled for this Ray cluster" not in stderr, stderr[-2000:]
 
 
