@@ -2,17 +2,18 @@
 Ray (a fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
 
 Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
-every step trains exactly the global batch; the audit is clean; the loss equals the restart path's fixed-size run's
-step by step (live recovery trains the same curve). A kill of the only replica: live mode cannot go on, falls
-back to a restart from its newest live checkpoint (one line says why), and the curve is still the fixed-size one.
+every step trains exactly the global batch; the audit is clean; the loss equals the fixed-size live run's step by
+step. A kill of the only replica: live mode cannot go on, falls back to a restart from its newest live checkpoint
+(one line says why), and the curve is still the fixed-size one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
-from ray_helpers import assert_same_curve, check_invariants, demo, read_jsonl
+from ray_helpers import assert_same_curve, check_invariants, demo, losses, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -20,12 +21,22 @@ STEPS = 40
 LIVE = ("--recovery", "live", "--steps", str(STEPS), "--sample-time", "0.01", "--checkpoint-every", "5")
 
 
+@pytest.fixture(scope="module")
+def live_fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The reference: 3 live replicas on 3 fake nodes, no event."""
+    summary = demo(
+        tmp_path_factory.mktemp("live-fixed"), "fixed", *LIVE, "--nodes", "3", "--workers", "3", "--events", "none"
+    )
+    assert summary["live"]["lost"] == [] and summary["restarts"] == 0
+    return summary
+
+
 def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
-    tmp_path: Path, fixed_size_losses: list[float]
+    tmp_path: Path, live_fixed: dict[str, Any]
 ) -> None:
     summary = demo(tmp_path, "kills", *LIVE, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
     check_invariants(summary, STEPS)
-    assert_same_curve(summary, fixed_size_losses)  # the restart path's 3-worker curve
+    assert_same_curve(summary, losses(live_fixed))
     live = summary["live"]
     assert summary["restarts"] == 0 and live["restarts"] == 0
     assert len(live["lost"]) == 2 and len(summary["events"]) == 2
@@ -51,11 +62,11 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
 
 
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(
-    tmp_path: Path, fixed_size_losses: list[float]
+    tmp_path: Path, live_fixed: dict[str, Any]
 ) -> None:
     summary = demo(tmp_path, "fallback", *LIVE, "--nodes", "1", "--workers", "1", "--events", "kill@12")
     check_invariants(summary, STEPS)
-    assert_same_curve(summary, fixed_size_losses)  # the restart path's 3-worker curve
+    assert_same_curve(summary, losses(live_fixed))
     live = summary["live"]
     assert live["restarts"] == 1 and summary["restarts"] == 1
     (fallback,) = live["fallbacks"]
