@@ -764,7 +764,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         batch=BatchConfig(global_batch=options.global_batch, micro_batch=options.micro_batch),
         lr=LRConfig(base_lr=1e-3, base_batch=64, rule="sqrt", warmup_steps=5),
         loop=LoopConfig(
-            epochs=10**6,
+            epochs=None,  # max_steps ends the run, across as many epochs as it takes
             max_steps=options.steps,
             strategy=options.strategy,
             seed=options.seed,
