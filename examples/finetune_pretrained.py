@@ -59,7 +59,10 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 def optimizer_fn(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """AdamW, no weight decay on biases and norms (groups by shape: the same on every rank and layout)."""
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(groups, lr=lr, weight_decay=0.01)
 
 

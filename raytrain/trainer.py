@@ -217,7 +217,7 @@ def explicit_token_mode() -> None:
         return
     try:
         from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # not in its stub; Ray uses it the same way
 
         has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
     except (ImportError, AttributeError, TypeError):  # another Ray version: leave Ray's own behaviour
