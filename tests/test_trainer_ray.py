@@ -127,21 +127,37 @@ def test_streaming_mode_uses_every_sample_once_per_epoch(ray_local: None, tmp_pa
 
 def test_a_plain_arrow_list_column_reaches_the_loss_as_a_2d_array(ray_local: None) -> None:
     """Ray Data hands a plain Arrow list column (not a tensor column) over as an object array of arrays; the
-    streaming reader stacks each read into one 2-D array (`as_column`), as the materialized one does."""
+    streaming reader (`StreamingShard`, the class each rank reads its shard with) stacks each read into one 2-D
+    array, as the materialized reader does."""
     import numpy as np
     import pyarrow as pa
     import ray.data
 
-    from raytrain.data.materialized import as_column
+    from raytrain.data.id_ranges import IdRanges
+    from raytrain.data.streaming import StreamingShard
     from raytrain.toy import regression_arrays
 
     arrays = regression_arrays(ROWS, 8, 0)
     table = {name: pa.array(list(value)) if value.ndim > 1 else pa.array(value) for name, value in arrays.items()}
-    batches = list(ray.data.from_arrow(pa.table(table)).iter_batches(batch_size=16, batch_format="numpy"))
-    assert batches[0]["x"].dtype == object  # what the reader is given
-    stacked = np.concatenate([as_column([batch["x"]]) for batch in batches])
-    assert stacked.shape == (ROWS, 8) and stacked.dtype == arrays["x"].dtype
-    assert np.array_equal(stacked, arrays["x"])
+    dataset = ray.data.from_arrow(pa.table(table))
+    given = next(iter(dataset.iter_batches(batch_size=16, batch_format="numpy")))
+    assert given["x"].dtype == object  # what the reader is given
+    empty = {name: value[:0] for name, value in arrays.items()}
+    shard = StreamingShard(
+        dataset,
+        id_column="id",
+        consumed=IdRanges(),
+        seed=0,
+        epoch=0,
+        rank=0,
+        shuffle_buffer=32,
+        read_batch=16,
+        empty=empty,
+    )
+    shard.fill(ROWS)
+    rows = shard.take(ROWS)
+    assert rows["x"].shape == (ROWS, 8) and rows["x"].dtype == arrays["x"].dtype
+    assert np.array_equal(rows["x"], arrays["x"][rows["id"]])  # each row's features, in the shuffled order
 
 
 def test_indexed_data_orders_rows_by_id_whatever_the_block_order(ray_local: None) -> None:
