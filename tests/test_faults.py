@@ -106,8 +106,9 @@ def test_a_second_start_is_refused_and_a_killed_driver_resumes(tmp_path: Path) -
     steps = 60
     command = _demo_command(tmp_path, "killed", steps)
     metrics_file, starts_file = tmp_path / "killed" / "metrics.jsonl", tmp_path / "killed" / "events.jsonl"
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    first = subprocess.Popen(command, env=env, start_new_session=True, **quiet)  # type: ignore[call-overload]
+    first = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         wait_for("the first run to train", metrics_file.exists, 300, interval_s=0.5)
         started = time.monotonic()
