@@ -9,29 +9,35 @@ The headline, `overhead_ratio`, compares like with like: raytrain's default (det
 *matched* hand-written loop, which does by hand what raytrain does: the training set in every worker's memory,
 an epoch order drawn from (seed, epoch), each rank's contiguous slice of the step's global batch cut into k
 micro-batches, DDP `no_sync` on all but the last micro-step (one gradient sync per step), the summed loss times
-W / B, one loss all-reduce per step, a metrics line on rank 0, and every `every` steps a DCP checkpoint from every
-rank, `ray.train.report` and a wait until Ray has committed it. The difference is raytrain's own cost: its batch
-plan, step source, LR setting, RNG seeding and bookkeeping.
+W / B, one loss all-reduce per step, a metrics line on rank 0, and every `every` steps a checkpoint saved the way
+raytrain saves it: DCP `async_save` from every rank on a gloo group of its own (the shard is copied to host memory,
+the files are written in a background thread while training goes on), `ray.train.report` once the files are
+written (after the next step), and Ray's commit waited for in a background thread (joined before the next
+checkpoint). Both loops therefore save in the background; the difference is raytrain's own cost: its batch plan,
+step source, LR setting, RNG seeding and bookkeeping.
 
-The design differences are separate figures against the *naive* loop, the usual Ray Train recipe:
+The design differences are separate rows against the *naive* loop, the usual Ray Train recipe:
 `prepare_model` (DDP), `get_dataset_shard("train")` + `iter_torch_batches` with a per-epoch `local_shuffle_seed`,
-loss / k, `backward()` on every micro-batch (no `no_sync`: it all-reduces k times per step), and a rank-0-only
-`torch.save` checkpoint without waiting for the commit. `design_ratio_matched_vs_naive` is what the design (in
-memory data, one sync per step, DCP + commit) is worth by itself; raytrain's streaming mode
-(deterministic=False, through `get_dataset_shard` like the naive loop) is compared with the naive loop too.
+loss / k, `backward()` on every micro-batch (it all-reduces k times per step), and a rank-0-only `torch.save`
+checkpoint reported without waiting for the commit. "naive + no_sync" is the same loop with DDP `no_sync` on all
+but the last micro-step, so the table separates what one sync per step is worth (naive + no_sync ÷ naive) from
+what the in-memory data path is worth (matched ÷ naive + no_sync). raytrain's streaming mode (deterministic=False,
+through `get_dataset_shard` like the naive loop) is compared with the naive loop too.
 
 Measured: each loop writes a timestamp when an optimizer step finishes (raytrain: the "time" field of
-metrics.jsonl on rank 0; plain loop: its own file on rank 0). Steady state starts after `skip` steps (start-up
-and warm-up excluded). Per run:
-    steps/s (all)          (n - 1) / (t_last - t_first) over the window: includes checkpoints and the epoch change
-    steps/s (no ckpt)      the same with the intervals that contain a checkpoint left out
+metrics.jsonl on rank 0; the hand-written loops: their own file on rank 0). Steady state starts after `skip`
+steps (start-up and warm-up excluded); every interval after it counts, checkpoints and the epoch change included.
+Per run:
+    steps/s (all)          (n - 1) / (t_last - t_first) over the window: every interval
     steps/s (median)       1 / median interval: the per-step cost alone
-    ckpt s                 mean extra time of a checkpoint interval over the median interval
+    ckpt s                 the window's time beyond n x the median interval (less the epoch change's), per
+                           checkpoint: what a checkpoint costs wherever its work lands (a background save slows
+                           the steps after it, not the step that starts it)
     epoch s                extra time of the interval that crosses into the second epoch
-Runs alternate (raytrain, plain, raytrain-streaming in rotating order); the table gives each run and the median
-over repetitions; ratio = raytrain steps/s / plain steps/s of the medians. The headline `overhead_ratio` is
-the all-inclusive steady-state ratio for raytrain's default mode; the others are printed beside it. Timings
-depend on what else the machine runs (its load average is printed).
+Runs alternate (the variants in rotating order); the table gives each run and the median over repetitions;
+ratio = steps/s / steps/s of the medians. The headline `overhead_ratio` is the all-inclusive steady-state ratio
+for raytrain's default mode; the others are printed beside it. Timings depend on what else the machine runs (its
+load average is printed).
 """
 
 from __future__ import annotations
@@ -85,6 +91,7 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 def matched_train_func(config: dict[str, Any]) -> None:
     """What raytrain's deterministic loop does, written by hand for this one model and W (see the module doc)."""
     import contextlib
+    import threading
 
     import numpy as np
     import ray.train
@@ -103,6 +110,29 @@ def matched_train_func(config: dict[str, Any]) -> None:
     columns = ray.get(config["data_ref"])  # every worker holds the training set, as raytrain's default does
     x_all, y_all = columns["x"], columns["y"]
     rows = len(y_all)
+    save_group = dist.new_group(backend="gloo")  # the background save's collectives stay off the training group
+    pending: tuple[str, dict[str, Any], Any] | None = None  # (directory, metrics, the background write)
+    committing: list[threading.Thread] = []
+
+    def report_pending() -> None:
+        """Once this rank's files are written: report the checkpoint; wait for Ray's commit in a thread."""
+        nonlocal pending
+        if pending is None:
+            return
+        directory, reported, write = pending
+        pending = None
+        write.result()
+        ray.train.report(
+            reported, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
+        )
+        thread = threading.Thread(
+            target=ray.train.get_all_reported_checkpoints,
+            kwargs={"consistency_mode": CheckpointConsistencyMode.COMMITTED},
+            daemon=True,
+        )
+        thread.start()
+        committing.append(thread)
+
     times = open(config["times_path"], "a") if rank == 0 else None  # noqa: SIM115  # closed below
     step = 0
     for epoch in range(config["epochs"]):
@@ -128,18 +158,21 @@ def matched_train_func(config: dict[str, Any]) -> None:
             if times is not None:
                 times.write(json.dumps(metrics) + "\n")
                 times.flush()
+            report_pending()  # the checkpoint started after the previous step
             if step % every == 0 or step == max_steps:
+                for thread in committing:  # the previous checkpoint is committed before this one is written
+                    thread.join()
+                committing.clear()
                 directory = tempfile.mkdtemp(prefix="matched-ckpt-")
                 state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-                dcp.save(state, checkpoint_id=directory)
-                ray.train.report(
-                    metrics, checkpoint=Checkpoint.from_directory(directory), delete_local_checkpoint_after_upload=True
-                )
-                ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
+                pending = (directory, metrics, dcp.async_save(state, checkpoint_id=directory, process_group=save_group))
             if step >= max_steps:
                 break
         if step >= max_steps:
             break
+    report_pending()
+    for thread in committing:
+        thread.join()
     if times is not None:
         times.close()
 
@@ -158,7 +191,10 @@ def run_matched(storage: str, name: str, rows: int, epochs: int, max_steps: int,
 
 
 def plain_train_func(config: dict[str, Any]) -> None:
-    """The naive Ray Train DDP loop: streaming data, a sync on every micro-batch, a rank-0 checkpoint."""
+    """The naive Ray Train DDP loop: streaming data, a sync on every micro-batch (or, with config["no_sync"], on
+    the last micro-batch of a step only), a rank-0 checkpoint."""
+    import contextlib
+
     import ray.train
     import ray.train.torch
     from ray.train import Checkpoint
@@ -183,8 +219,10 @@ def plain_train_func(config: dict[str, Any]) -> None:
         optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             fetch += time.perf_counter() - fetch_started
-            loss = ((model(batch["x"]) - batch["y"]) ** 2).mean() / k
-            loss.backward()  # all-reduces on every micro-batch
+            skip_sync = config["no_sync"] and micro < k - 1
+            with model.no_sync() if skip_sync else contextlib.nullcontext():
+                loss = ((model(batch["x"]) - batch["y"]) ** 2).mean() / k
+                loss.backward()  # all-reduces unless inside no_sync
             loss_sum += loss.item()
             micro += 1
             if micro == k:
@@ -213,11 +251,13 @@ def plain_train_func(config: dict[str, Any]) -> None:
         times.close()
 
 
-def run_plain(storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int) -> dict[str, Any]:
+def run_plain(
+    storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int, no_sync: bool
+) -> dict[str, Any]:
     from raytrain.toy import regression_dataset
 
     datasets = {"train": regression_dataset(rows, FEATURES, seed=SEED)}
-    extra = {"shuffle_buffer": SHUFFLE_BUFFER}
+    extra = {"shuffle_buffer": SHUFFLE_BUFFER, "no_sync": no_sync}
     return _run_hand_written(plain_train_func, storage, name, epochs, max_steps, every, extra, datasets)
 
 
@@ -310,6 +350,7 @@ def run_raytrain(
 
 
 def summarise(run: dict[str, Any], skip: int, every: int) -> dict[str, float]:
+    """One run's figures (see the module doc) from its per-step timestamps."""
     records = run["records"]
     times = [r["time"] for r in records]
     steps = [r["step"] for r in records]
@@ -317,22 +358,23 @@ def summarise(run: dict[str, Any], skip: int, every: int) -> dict[str, float]:
     window = list(range(skip, len(times)))
     intervals = {steps[i]: times[i] - times[i - 1] for i in window[1:]}  # interval ending at step steps[i]
     typical = median(list(intervals.values()))
-    ckpt = {s: d for s, d in intervals.items() if (s - 1) % every == 0 and s > 1}
     epoch_change = {steps[i]: times[i] - times[i - 1] for i in window[1:] if epochs[i] != epochs[i - 1]}
-    clean = [d for s, d in intervals.items() if s not in ckpt]
+    epoch_extra = sum(d - typical for d in epoch_change.values())
+    checkpoints = [s for s in steps[skip:-1] if s % every == 0]  # started inside the window, before its end
+    extra = sum(intervals.values()) - len(intervals) * typical - epoch_extra
     inside = {r["step"]: r.get("step_time_s") for r in records}
-    if all(inside.get(s) is not None for s in intervals):  # raytrain: interval minus its train_step time
-        waits = [d - inside[s] for s, d in intervals.items() if s not in ckpt and s not in epoch_change]
-    else:  # plain loop: time spent in next() on the Ray Data iterator
-        waits = [r["fetch_s"] for r in records[skip + 1 :] if r["step"] not in ckpt and r["step"] not in epoch_change]
+    ordinary = [s for s in intervals if s not in epoch_change and not any(0 < s - c <= 2 for c in checkpoints)]
+    if all(inside.get(s) is not None for s in intervals):  # raytrain, matched: interval minus its step time
+        waits = [intervals[s] - inside[s] for s in ordinary]
+    else:  # naive loops: time spent in next() on the Ray Data iterator
+        waits = [r["fetch_s"] for r in records if r["step"] in ordinary]
     return {
         "steps": len(records),
         "startup_s": times[0] - run["started"] if times else float("nan"),
         "rate_all": steady_rate(times, skip),
-        "rate_no_ckpt": len(clean) / sum(clean) if clean else float("nan"),
         "rate_median": median_interval_rate(times, skip),
-        "ckpt_s": median([d - typical for d in ckpt.values()]) if ckpt else float("nan"),
-        "epoch_s": sum(d - typical for d in epoch_change.values()) if epoch_change else float("nan"),
+        "ckpt_s": extra / len(checkpoints) if checkpoints else float("nan"),
+        "epoch_s": epoch_extra if epoch_change else float("nan"),
         "wait_ms": 1000 * median(waits),
         "step_ms": 1000 * typical,
         "wall_s": run["ended"] - run["started"],
@@ -346,10 +388,12 @@ def main() -> None:
     parser.add_argument("--no-streaming", action="store_true", help="skip raytrain's deterministic=False variant")
     args = parser.parse_args()
     if args.quick:
-        reps, steps_per_epoch, every, skip, variants = 1, 12, 8, 4, ["raytrain", "matched", "plain"]
+        reps, steps_per_epoch, every, skip = 1, 12, 8, 4
     else:
         reps, steps_per_epoch, every, skip = args.reps, 80, 30, 10
-        variants = ["raytrain", "matched", "plain"] + ([] if args.no_streaming else ["raytrain-streaming"])
+    variants = ["raytrain", "matched", "plain", "plain-no-sync"]
+    if not (args.quick or args.no_streaming):
+        variants.append("raytrain-streaming")
     epochs = 2
     rows = steps_per_epoch * GLOBAL_BATCH
     max_steps = epochs * steps_per_epoch
@@ -363,8 +407,8 @@ def main() -> None:
             rotated = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for variant in rotated:
                 name = f"{variant}-{rep}"
-                if variant == "plain":
-                    run = run_plain(storage, name, rows, epochs, max_steps, every)
+                if variant.startswith("plain"):
+                    run = run_plain(storage, name, rows, epochs, max_steps, every, no_sync=variant != "plain")
                 elif variant == "matched":
                     run = run_matched(storage, name, rows, epochs, max_steps, every)
                 else:
@@ -386,13 +430,13 @@ def main() -> None:
         "raytrain-streaming": "raytrain (deterministic=False)",
         "matched": "matched hand-written loop (same design)",
         "plain": "naive Ray Train DDP loop",
+        "plain-no-sync": "naive loop + no_sync (1 sync per step)",
     }
-    keys = ["rate_all", "rate_no_ckpt", "rate_median", "step_ms", "wait_ms", "ckpt_s", "epoch_s", "startup_s", "wall_s"]
+    keys = ["rate_all", "rate_median", "step_ms", "wait_ms", "ckpt_s", "epoch_s", "startup_s", "wall_s"]
     headers = [
         "loop",
         "run",
         "steps/s (all)",
-        "steps/s (no ckpt)",
         "steps/s (median)",
         "median step ms",
         "wait ms",
@@ -415,31 +459,41 @@ def main() -> None:
 
     ratio_rows = [
         ["raytrain (default) / matched loop: raytrain's own overhead", *_ratios(medians, "raytrain", "matched")],
-        ["matched loop / naive loop: the design (memory data, 1 sync, DCP)", *_ratios(medians, "matched", "plain")],
+        ["matched loop / naive loop: the whole design", *_ratios(medians, "matched", "plain")],
+        ["naive + no_sync / naive: one sync per step", *_ratios(medians, "plain-no-sync", "plain")],
+        ["matched / naive + no_sync: in-memory data, DCP", *_ratios(medians, "matched", "plain-no-sync")],
         ["raytrain (default) / naive loop", *_ratios(medians, "raytrain", "plain")],
     ]
     if "raytrain-streaming" in medians:
         ratio_rows.append(["raytrain (streaming) / naive loop", *_ratios(medians, "raytrain-streaming", "plain")])
     print("\nratio = steps/s / steps/s of the medians over repetitions; goal for raytrain / matched: >= 0.97")
-    print(table(["comparison", "ratio (all)", "ratio (no ckpt)", "ratio (median step)"], ratio_rows))
+    print(table(["comparison", "ratio (all intervals)", "ratio (median step)"], ratio_rows))
     print(
-        "note: 'wait ms' is the median time per step outside the training computation: for raytrain and the matched "
-        "loop the interval between two metrics timestamps minus the step's step_time_s (fetching the step's data, "
-        "logging); for the naive loop the time spent in next() of its Ray Data iterator (k fetches per step).\n"
-        "note: 'ckpt s' is the extra time of a checkpoint interval: raytrain and the matched loop save DCP shards "
-        "from every rank and wait until Ray has committed the checkpoint; the naive loop saves on rank 0 only "
-        "and does not wait. 'epoch s' is the extra time of the step that starts the second epoch."
+        "note: 'wait ms' is the median time per step outside the training computation (steps within two of a "
+        "checkpoint and the epoch change left out): for raytrain and the matched loop the interval between two "
+        "metrics timestamps minus the step's step_time_s (fetching the step's data, logging); for the naive loops "
+        "the time spent in next() of their Ray Data iterator (k fetches per step).\n"
+        "note: raytrain and the matched loop both save DCP shards from every rank in the background (async_save "
+        "on a gloo group of its own), report once the files are written and wait for Ray's commit in a thread; "
+        "the naive loops save on rank 0 only (torch.save, blocking) and do not wait for the commit. 'ckpt s' is "
+        "the time beyond the median step per checkpoint over the whole window; 'epoch s' the extra time of the "
+        "step that starts the second epoch."
     )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
     headline: dict[str, Any] = {
         "overhead_ratio": round(ratio("raytrain", "matched"), 3),
-        "overhead_ratio_no_checkpoint_intervals": round(ratio("raytrain", "matched", "rate_no_ckpt"), 3),
         "overhead_ratio_median_step": round(ratio("raytrain", "matched", "rate_median"), 3),
         "design_ratio_matched_vs_naive": round(ratio("matched", "plain"), 3),
+        "no_sync_ratio_naive": round(ratio("plain-no-sync", "plain"), 3),
+        "data_path_ratio_matched_vs_naive_no_sync": round(ratio("matched", "plain-no-sync"), 3),
         "ratio_vs_naive_loop": round(ratio("raytrain", "plain"), 3),
         "raytrain_steps_per_s": round(medians["raytrain"]["rate_all"], 3),
         "matched_steps_per_s": round(medians["matched"]["rate_all"], 3),
         "naive_steps_per_s": round(medians["plain"]["rate_all"], 3),
+        "naive_no_sync_steps_per_s": round(medians["plain-no-sync"]["rate_all"], 3),
+        "raytrain_checkpoint_s": round(medians["raytrain"]["ckpt_s"], 3),
+        "matched_checkpoint_s": round(medians["matched"]["ckpt_s"], 3),
+        "checkpoint": "both save in the background (DCP async_save, report when written, commit waited in a thread)",
         "reps": reps,
     }
     if "raytrain-streaming" in medians:
@@ -453,8 +507,8 @@ def _ratio(medians: dict[str, dict[str, float]], variant: str, baseline: str, ke
 
 
 def _ratios(medians: dict[str, dict[str, float]], variant: str, baseline: str) -> list[float]:
-    """`variant`'s steps/s over `baseline`'s: all intervals, without checkpoint intervals, median step."""
-    return [_ratio(medians, variant, baseline, k) for k in ("rate_all", "rate_no_ckpt", "rate_median")]
+    """`variant`'s steps/s over `baseline`'s: all intervals, median step."""
+    return [_ratio(medians, variant, baseline, k) for k in ("rate_all", "rate_median")]
 
 
 if __name__ == "__main__":
