@@ -1,8 +1,15 @@
 """python benchmarks/communication.py [--quick]
 
-Gradient synchronisation per optimizer step with k accumulation micro-steps: raytrain's `train_step` (DDP
-`no_sync` / FSDP2 `set_requires_gradient_sync(False)` on all but the last micro-step) against a naive loop that
-runs the same micro-steps with synchronisation on every backward.
+Gradient synchronisation per optimizer step with k accumulation micro-steps. Every loop is raytrain's own
+`train_step` (the same forward, backward, loss all-reduce, gradient norm and optimizer step); only the micro-step
+policy differs:
+    raytrain          the default (unsharded accumulation): DDP `no_sync` / FSDP2 `set_requires_gradient_sync(False)`
+                      on all but the last micro-step, zero2's parameters kept gathered until the last backward;
+    raytrain-sharded  zero2/zero3 with `grad_accumulation="sharded"` (what "auto" picks when the full gradient does
+                      not fit beside the rest): a reduce-scatter after every micro-step, only the shard held;
+    naive             a sync on every micro-step's backward and parameters resharded after each (the usual loop
+                      without `no_sync`).
+At k = 1 the three run identical code, so their ms/step differ by this machine's timing noise only.
 
 How it counts (W = 2 gloo processes started with torch.multiprocessing, no Ray; the models are wrapped by
 raytrain's own `apply_parallelism`):
@@ -29,6 +36,7 @@ import functools
 import statistics
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,7 +45,7 @@ from _common import machine_line, print_headline, quiet_fsdp_warnings, table
 from torch import nn
 
 from raytrain.optim import build_optimizer
-from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy
+from raytrain.parallel.apply import apply_parallelism, step_policy
 from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import train_step
 
@@ -45,7 +53,7 @@ WORLD = 2
 FEATURES = 256
 MICRO_BATCH = 32
 STRATEGIES = ("ddp", "zero2", "zero3")
-LOOPS = ("raytrain", "naive")
+LOOPS = ("raytrain", "raytrain-sharded", "naive")
 
 
 def build_model() -> nn.Module:
@@ -58,20 +66,6 @@ def build_model() -> nn.Module:
 
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (model(batch["x"]) - batch["y"]) ** 2
-
-
-def naive_step(model, optimizer, loss_fn, micro_batches, world_size, step_total) -> float:
-    """The same step as `train_step`, but every micro-step's backward synchronises (no no_sync)."""
-    optimizer.zero_grad(set_to_none=True)
-    scale = world_size / step_total
-    total = 0.0
-    for batch in micro_batches:
-        with gradient_sync(model, enabled=True):
-            losses = loss_fn(model, batch)
-            (losses.sum() * scale).backward()
-        total += float(losses.detach().sum())
-    optimizer.step()
-    return total
 
 
 class Counter:
@@ -147,23 +141,25 @@ def measure(rank: int, strategy: str, k: int, steps: int) -> list[dict[str, Any]
     """Both loops on two identical models, their steps interleaved (alternating order), so that the machine's
     load drifts equally over both; collectives are attributed to the loop whose step issued them."""
     device = torch.device("cpu")
+    loops = [loop for loop in LOOPS if loop != "raytrain-sharded" or strategy != "ddp"]  # ddp has no sharded mode
     setups = {}
-    for loop in LOOPS:
+    for loop in loops:
         model = apply_parallelism(build_model(), strategy, device, WORLD)
         optimizer = build_optimizer(model, torch.optim.AdamW, 1e-3, strategy)
         if strategy == "ddp":
             model.register_comm_hook(COUNTER, ddp_counting_hook)
-        policy = step_policy(strategy, WORLD, "fp32", "unsharded")  # what the loop uses: zero2 keeps params gathered
-        raytrain_step = functools.partial(train_step, policy=policy)
-        setups[loop] = (model, optimizer, raytrain_step if loop == "raytrain" else naive_step)
+        policy = step_policy(strategy, WORLD, "fp32", "sharded" if loop == "raytrain-sharded" else "unsharded")
+        if loop == "naive":
+            policy = replace(policy, reduce_every_micro_step=True, keep_params_gathered=False)
+        setups[loop] = (model, optimizer, functools.partial(train_step, policy=policy))
     step_total = WORLD * k * MICRO_BATCH
     for model, optimizer, step_fn in setups.values():  # warm-up (DDP builds its buckets in the first step)
         step_fn(model, optimizer, loss_fn, micro_batches(rank, k, -1), WORLD, step_total)
-    seconds: dict[str, list[float]] = {loop: [] for loop in LOOPS}
-    calls: dict[str, dict[str, int]] = {loop: {} for loop in LOOPS}
-    nbytes: dict[str, dict[str, int]] = {loop: {} for loop in LOOPS}
+    seconds: dict[str, list[float]] = {loop: [] for loop in loops}
+    calls: dict[str, dict[str, int]] = {loop: {} for loop in loops}
+    nbytes: dict[str, dict[str, int]] = {loop: {} for loop in loops}
     for step in range(steps):
-        for loop in LOOPS if step % 2 == 0 else LOOPS[::-1]:
+        for loop in loops if step % 2 == 0 else loops[::-1]:
             model, optimizer, step_fn = setups[loop]
             dist.barrier()
             COUNTER.reset()
@@ -189,7 +185,7 @@ def measure(rank: int, strategy: str, k: int, steps: int) -> list[dict[str, Any]
             "gathered_mb_per_step": nbytes[loop].get("all_gather", 0) / steps / 1e6,
             "ms_per_step": 1000 * statistics.median(seconds[loop]),
         }
-        for loop in LOOPS
+        for loop in loops
     ]
 
 
@@ -256,9 +252,11 @@ def main() -> None:
     print("reduce = DDP all-reduce (comm hook) or FSDP2 reduce-scatter (wrapped torch.distributed entry points)")
     print(
         "note: DDP splits the gradients into 2 buckets here (its first bucket is capped at 1 MB), so one sync is 2 "
-        "all-reduce calls. At k = 1 both loops run the same code: the ms/step difference there is this machine's "
-        "timing noise. raytrain's zero2 gathers each unit once per step at any k (parameters kept gathered across "
-        "micro-steps); zero3 re-gathers in every micro-step, in both loops."
+        "all-reduce calls. Every loop is raytrain's train_step; only the micro-step sync policy differs, so at k = 1 "
+        "they run the same code and their ms/step differ by timing noise. raytrain's zero2 gathers each unit once "
+        "per step at any k (parameters kept gathered across micro-steps); zero3 re-gathers in every micro-step. "
+        "raytrain-sharded (grad_accumulation='sharded') reduce-scatters every micro-step: k syncs per step, like "
+        "the naive loop, in exchange for holding only the gradient shard."
     )
     for strategy in STRATEGIES:
         seen = sum(r["reduce_calls_per_step"] for r in rows if r["strategy"] == strategy)
@@ -274,6 +272,12 @@ def main() -> None:
             "k": top,
             "zero3_syncs_per_step_raytrain": round(by_key[("zero3", "raytrain", top)]["syncs_per_step"], 3),
             "zero3_syncs_per_step_naive": round(by_key[("zero3", "naive", top)]["syncs_per_step"], 3),
+            "zero3_syncs_per_step_raytrain_sharded": round(
+                by_key[("zero3", "raytrain-sharded", top)]["syncs_per_step"], 3
+            ),
+            "zero2_all_gathers_per_step_raytrain_sharded": by_key[("zero2", "raytrain-sharded", top)][
+                "all_gathers_per_step"
+            ],
             "zero3_all_gathers_per_step_raytrain": by_key[("zero3", "raytrain", top)]["all_gathers_per_step"],
             "zero2_all_gathers_per_step_raytrain": by_key[("zero2", "raytrain", top)]["all_gathers_per_step"],
             "zero2_all_gathers_per_step_raytrain_k1": by_key[("zero2", "raytrain", min(ks))]["all_gathers_per_step"],

@@ -4,15 +4,18 @@ What tensor and pipeline parallelism buy per worker, measured side by side with 
 
 How: 4 gloo processes (`raytrain.testing.multiprocess.run_world`, no Ray) train the same block model (an
 `nn.Sequential`: in-projection, residual MLP blocks, head; AdamW in fp32) for a few optimizer steps of the same
-global batch under four layouts of W = 4: dp 4 (ddp, the baseline), tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2. Each
+global batch under six layouts of W = 4: dp 4 with ddp (the baseline), with zero2 and with zero3 (the sharded
+data-parallel alternatives a user would weigh tp/pp against), tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2. Each
 rank counts every tensor allocation with `raytrain.memory_tracker.LiveBytes` (DTensor shards, the by-hand gradient
 all-reduce's buffers, pipeline activations, optimizer state) from before the model is built to the end of the last
 step, and times each step. The table gives, per layout, the largest rank's peak bytes and its model state at rest
 (parameters + gradients + AdamW state, from the live tensors), the parameters it holds, and the median step time.
 Printed last, as one JSON line (ratios against dp 4 in the same run):
 
-    state_ratio_<layout>     model state at rest on the largest rank / dp 4's (expect ~1/tp, ~1/pp, ~1/(tp pp))
+    state_ratio_<layout>     model state at rest on the largest rank / dp 4's (expect ~1/tp, ~1/pp, ~1/(tp pp);
+                             zero2 shards the optimizer state and the gradients, zero3 the parameters too)
     peak_ratio_<layout>      peak bytes of the largest rank / dp 4's
+    peak_ratio_<layout>_vs_zero3  the same against zero3 at dp 4: what tp/pp buy over sharding alone
     step_time_ratio_<layout> median step time / dp 4's (2 CPU cores for 4 processes: communication-bound)
     losses_equal             every layout's loss curve equals dp 4's (rel. 1e-4, the elastic tests' tolerance: fp32
                              sums in another order); max_loss_rel_diff gives the largest difference
@@ -42,7 +45,16 @@ from raytrain.toy import adamw, block_mlp, block_mlp_tp_plan, squared_error
 from raytrain.worker_loop import train_step
 
 WORLD = 4
-LAYOUTS = {"dp4": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}  # name -> (tp, pp)
+# name -> (tp, pp, data-parallel strategy)
+LAYOUTS = {
+    "dp4": (1, 1, "ddp"),
+    "zero2": (1, 1, "zero2"),
+    "zero3": (1, 1, "zero3"),
+    "tp2": (2, 1, "ddp"),
+    "pp2": (1, 2, "ddp"),
+    "tp2pp2": (2, 2, "ddp"),
+}
+MODEL_PARALLEL = ("tp2", "pp2", "tp2pp2")
 FEATURES, GLOBAL_BATCH, MICRO_BATCH = 32, 32, 4
 
 
@@ -55,7 +67,7 @@ def _local_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def run_layout(rank: int, name: str, width: int, blocks: int, steps: int) -> dict[str, Any]:
-    tp, pp = LAYOUTS[name]
+    tp, pp, strategy = LAYOUTS[name]
     dims = ParallelDims.of(WORLD, tp=tp, pp=pp)
     coords = dims.coords(rank)
     generator = torch.Generator().manual_seed(0)
@@ -69,13 +81,13 @@ def run_layout(rank: int, name: str, width: int, blocks: int, steps: int) -> dic
         model = built.model
         plan = resolve_plan(model, block_mlp_tp_plan(model), tp) if tp > 1 else None
         model = apply_parallelism(
-            model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace
+            model, strategy, torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace
         )
-        optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
+        optimizer = build_optimizer(model, adamw, 1e-3, strategy)
         policy = (
-            step_policy("ddp", dims, "fp32", "unsharded", mesh, coords)
+            step_policy(strategy, dims, "fp32", "unsharded", mesh, coords)
             if mesh is not None
-            else step_policy("ddp", dims, "fp32", "unsharded")
+            else step_policy(strategy, dims, "fp32", "unsharded")
         )
         batch_plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, dims.dp)
         for step in range(steps):
@@ -132,17 +144,18 @@ def main() -> None:
             "step_s": max(r["step_s"] for r in ranks),
             "losses": ranks[0]["losses"],
         }
-    base = worst["dp4"]
+    base, zero3 = worst["dp4"], worst["zero3"]
     for name, w in worst.items():
-        tp, pp = LAYOUTS[name]
+        tp, pp, strategy = LAYOUTS[name]
         rows.append(
             [
-                f"{name} (dp {WORLD // (tp * pp)}, tp {tp}, pp {pp})",
+                f"{name} ({strategy}, dp {WORLD // (tp * pp)}, tp {tp}, pp {pp})",
                 f"{w['params']:,}",
                 f"{w['state'] / 1e6:.2f}",
                 f"{w['state'] / base['state']:.3f}",
                 f"{w['peak'] / 1e6:.2f}",
                 f"{w['peak'] / base['peak']:.3f}",
+                f"{w['peak'] / zero3['peak']:.3f}",
                 f"{w['step_s'] * 1000:.1f}",
                 f"{w['step_s'] / base['step_s']:.2f}",
             ]
@@ -152,7 +165,7 @@ def main() -> None:
         f"W = {WORLD} gloo processes, block model of {total_params:,} fp32 parameters (width {width}, {blocks} "
         f"blocks), AdamW, global batch {GLOBAL_BATCH}, micro-batch {MICRO_BATCH}, {steps} steps; the largest rank"
     )
-    headers = ["layout", "params held", "state MB", "vs dp4", "peak MB", "vs dp4", "step ms", "vs dp4"]
+    headers = ["layout", "params held", "state MB", "vs dp4", "peak MB", "vs dp4", "vs zero3", "step ms", "vs dp4"]
     print(table(headers, rows))
     worst_diff = max(
         abs(a - b) / abs(b) for w in worst.values() for a, b in zip(w["losses"], base["losses"], strict=True)
@@ -163,10 +176,12 @@ def main() -> None:
         "losses_equal": worst_diff <= 1e-4,
         "max_loss_rel_diff": float(f"{worst_diff:.2g}"),
     }
-    for name in ("tp2", "pp2", "tp2pp2"):
+    for name in ("zero2", "zero3", *MODEL_PARALLEL):
         result[f"state_ratio_{name}"] = round(worst[name]["state"] / base["state"], 3)
         result[f"peak_ratio_{name}"] = round(worst[name]["peak"] / base["peak"], 3)
         result[f"step_time_ratio_{name}"] = round(worst[name]["step_s"] / base["step_s"], 2)
+    for name in MODEL_PARALLEL:
+        result[f"peak_ratio_{name}_vs_zero3"] = round(worst[name]["peak"] / zero3["peak"], 3)
     print(f"wall time {time.perf_counter() - began:.1f} s")
     print_headline(result)
 

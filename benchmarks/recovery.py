@@ -3,23 +3,31 @@
 Recovery after membership events on a local cluster of fake nodes (`raytrain demo`), and the cost of
 checkpoints, beside Ray Train's bare worker-group start and restart measured in the same run:
 
-    event           seconds from the event to the first step finished by the next worker group,
-                    and steps that had to be trained again (work lost since the last checkpoint)
+    event           seconds from the event to the first step finished by the next worker group (`recovery s`),
+                    to the first step beyond the one trained when the event came (`back s`: the steps trained
+                    again included), and those steps (work lost since the last checkpoint)
     remove          a node with a worker is killed (no grace period), training must go on at W-1
     kill            one training worker process is SIGKILLed, the same size comes back
     add             a node is added, training must go on at W+1
     drain           a node is drained with an 8 s deadline (a spot notice), then removed at the deadline;
-                    seconds counted from the removal
+                    seconds counted from the notice (the idle wait for the deadline included: a cloud's 2-minute
+                    notice makes it ~110 s longer), and the whole cost beside a node lost without notice: the
+                    time from the event back to the pre-event step plus nothing retrained, against node loss's
+                    time back (which includes its retrained steps)
     live            `--recovery live`, the kill run's cluster, two kills: seconds from each kill to the next
                     committed step (`live_kill_pause_s`: the longer one), steps trained again, and against the
-                    same run without events: survivors' pids, the batch, the audit, the loss (issue 17)
+                    same run without events: survivors' pids, the batch, the audit, the loss (issue 17); and the heal:
+                    from each kill to the first step committed at full size again, and the longest interval
+                    between committed steps until then
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
                     the start; `autoscale_grow_s` from fit() to the first step at 3 workers (nodes launched for
                     the trainer's demand), `replace_s` from a node reclaimed by the provider (no notice) to the
                     first step back at 3 workers (the replacement launched for the pending demand), and
                     `autoscale_extra_nodes`: nodes launched beyond the 3 needed and the 1 replacement
-    bare start      TorchTrainer.fit() -> train_func entered, trivial train_func
-    bare restart    SIGKILL of a worker in a trivial train_func -> train_func entered again
+    bare start      TorchTrainer.fit() -> the first completed step of a bare train_func (a gloo all-reduce per
+                    step, 0.08 s of sleep as the demo's compute, a tiny checkpoint every 4 steps as the demo's)
+    bare restart    SIGKILL of one of its workers -> the first step completed by the new group (`bare_sigkill_s`,
+                    raytrain's `sigkill_s` end point) and -> the first step beyond the pre-kill one (`bare back s`)
     checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
                     the extra wall time of steps 11-60 over the run without, with the files written in the
                     background (`checkpoint_overhead_fraction`, the default) and on the training thread
@@ -27,10 +35,17 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     the 5-step cycle
 
 Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
-the next group: failure detection, teardown, placement, worker start, process group), raytrain's start (model
-build + wrap, checkpoint load, data), and the first step. Prints tables, then one JSON line with the headline
-figures and whether each goal of issues 13 and 17 is met; `--live-only` runs the kill and the live runs only.
-Ray settings: raytrain's defaults (`raytrain.trainer.RAY_ENV_DEFAULTS`), resize monitor interval 1 s.
+the next group: failure detection, teardown, placement, worker start, process group), of which raytrain's own wait
+for the GCS to mark a lost node dead (`RefreshClusterView`, from the run's "marked dead after" line) is given
+apart, raytrain's start (model build + wrap, checkpoint load, data), and the first step. Prints tables, then one
+JSON line with the headline figures, the settings they were measured with, and whether each goal is met;
+`--live-only` runs the kill and the live runs only.
+
+Settings (also in the headline's "settings"): Ray's environment as raytrain sets it
+(`raytrain.trainer.RAY_ENV_DEFAULTS`); node-death detection `raytrain.ray_hooks.FAST_NODE_DEATH` (Ray's default
+marks a node dead after ~15-30 s; cluster.yaml sets the same values as the fake clusters here); the demo's resize
+monitor interval, 1 s, where `ClusterConfig.resize_monitor_interval_s` defaults to 5 s: `node_add_s` on a cluster
+with the default is up to 4 s longer.
 """
 
 from __future__ import annotations
@@ -78,6 +93,8 @@ LIVE_RUN = ["--nodes", "3", "--workers", "2:3", "--steps", "70", "--sample-time"
 LIVE_RUN += ["--recovery", "live", "--audit-samples"]
 LIVE_EVENTS = "kill@10,kill@45"
 MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
+LIBRARY_MONITOR_INTERVAL_S = 5.0  # ClusterConfig.resize_monitor_interval_s's default
+BARE_STEP_S, BARE_CHECKPOINT_EVERY = 0.08, 4  # the demo's per-rank compute at 8 samples x 0.01 s; its checkpoints
 
 
 def demo(name: str, storage: str, args: list[str]) -> dict[str, Any]:
@@ -96,14 +113,22 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
     """The scenario's event, its recovery time and the phases of the recovery."""
     summary = demo(name, storage, SCENARIOS[name])
     (event,) = summary["events"]
-    since = event["node_gone_time"] if name == "drain" else event["time"]
+    since = event["time"]  # a drain: the notice (the node goes at its deadline, `node_gone_time`)
     starts = read_jsonl(os.path.join(summary["run_dir"], "events.jsonl"))
     start = next(s for s in starts if s["time"] > event["time"])
+    metrics = read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl"))
+    pre_event = max(m["step"] for m in metrics if m["time"] <= event["time"])
+    back = next(m["time"] for m in metrics if m["time"] > event["time"] and m["step"] > pre_event)
+    before = [m["time"] for m in metrics if m["time"] <= event["time"]]
     return {
         "name": name,
         "world_sizes": summary["world_sizes"],
         "recovery_s": event["recovered_time"] - since,
+        "back_s": back - since,
         "steps_lost": event["steps_lost"],
+        "step_s": median([b - a for a, b in itertools.pairwise(before[-10:])]),
+        "node_death_wait_s": node_death_wait(summary["run_dir"]),
+        "notice_to_gone_s": None if event["node_gone_time"] is None else event["node_gone_time"] - since,
         "ray_s": start["entered"] - since,
         "raytrain_start_s": start["time"] - start["entered"],
         "phases_s": start["phases_s"],
@@ -112,13 +137,39 @@ def recovery(name: str, storage: str) -> dict[str, Any]:
     }
 
 
+def node_death_wait(run_dir: str) -> float | None:
+    """raytrain's wait for the GCS to mark the group's lost node dead (its "marked dead after N s" line), or None."""
+    waits = []
+    with open(os.path.join(run_dir, "raytrain.log")) as f:
+        for line in f:
+            if "(marked dead after " in line:
+                waits.append(float(line.split("(marked dead after ")[1].split(" s)")[0]))
+    return sum(waits) if waits else None
+
+
 def live(storage: str) -> dict[str, Any]:
     """`raytrain demo --recovery live` with two kills beside the same run without events: each kill's pause (from
     the kill to the next committed step, the measure of a restart's `recovery_s`), the steps trained again, and
     the done-when checks: survivors' pids, the batch of every step, the audit, the loss against the fixed run."""
     killed = demo("live", storage, [*LIVE_RUN, "--events", LIVE_EVENTS])
     fixed = demo("live_fixed", storage, [*LIVE_RUN, "--events", "none"])
-    curves = [[m["loss"] for m in read_jsonl(os.path.join(s["run_dir"], "metrics.jsonl"))] for s in (killed, fixed)]
+    metrics = read_jsonl(os.path.join(killed["run_dir"], "metrics.jsonl"))
+    curves = [
+        [m["loss"] for m in metrics],
+        [m["loss"] for m in read_jsonl(os.path.join(fixed["run_dir"], "metrics.jsonl"))],
+    ]
+    full = max(m["world_size"] for m in metrics)
+    heals = []
+    for event in killed["events"]:
+        after = [m for m in metrics if m["time"] > event["time"]]
+        healed = next((m for m in after if m["world_size"] == full), None)
+        until = [event["time"]] + [m["time"] for m in after if healed is None or m["time"] <= healed["time"]]
+        heals.append(
+            {
+                "to_full_s": None if healed is None else healed["time"] - event["time"],
+                "longest_interval_s": max(b - a for a, b in itertools.pairwise(until)) if len(until) > 1 else None,
+            }
+        )
     launched = {
         r["replica"]: r["pid"]
         for r in read_jsonl(os.path.join(killed["run_dir"], "live.jsonl"))
@@ -137,6 +188,7 @@ def live(storage: str) -> dict[str, Any]:
         "batch_exact": killed["global_batch_sizes"] == [24] and len(curves[0]) == len(curves[1]),
         "audit_clean": all(c == {"duplicates": 0, "missing": 0} for c in killed["audit"].values()),
         "loss_max_diff": max(abs(a - b) for a, b in zip(*curves, strict=True)),
+        "heals": heals,
         "wall_s": (killed["wall_s"], fixed["wall_s"]),
     }
 
@@ -192,21 +244,44 @@ def checkpoint_overhead(storage: str, reps: int) -> dict[str, Any]:
 
 
 def _bare_train_func(config: dict[str, Any]) -> None:
+    """A bare Ray Train loop with the demo's rhythm: each step 0.08 s of sleep (the compute) and a gloo all-reduce
+    (the gradient sync); every 4 steps a tiny checkpoint (the step) reported by every rank; it resumes from Ray
+    Train's latest checkpoint. Rank 0 logs each completed step; rank 0 of the first group SIGKILLs itself after
+    the kill step."""
     import ray.train
+    import torch
+    import torch.distributed as dist
+    from ray.train import Checkpoint
 
+    rank = ray.train.get_context().get_world_rank()
+    step = 0
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        with latest.as_directory() as directory, open(os.path.join(directory, "step")) as f:
+            step = int(f.read())
     marks = config["marks"]
-    with open(marks, "a") as f:
-        f.write(f"{time.time()} {os.getpid()}\n")
-    if not os.path.exists(marks + ".kill") and ray.train.get_context().get_world_rank() == 0:
-        time.sleep(1.0)  # let every rank enter first
-        with open(marks + ".kill", "w") as f:
-            f.write(str(time.time()))
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(0.5)
+    while step < config["steps"]:
+        time.sleep(BARE_STEP_S)
+        dist.all_reduce(torch.ones(1024))
+        step += 1
+        if rank == 0:
+            with open(marks, "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}) + "\n")
+        if step % BARE_CHECKPOINT_EVERY == 0:
+            with tempfile.TemporaryDirectory() as directory:
+                with open(os.path.join(directory, "step"), "w") as f:
+                    f.write(str(step))
+                ray.train.report({"step": step}, checkpoint=Checkpoint.from_directory(directory))
+        if rank == 0 and step == config["kill_step"] and not os.path.exists(marks + ".kill"):
+            with open(marks + ".kill", "w") as f:
+                f.write(json.dumps({"time": time.time(), "step": step}))
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def bare_ray_train(storage: str) -> dict[str, float]:
-    """Ray Train's own floor on the same kind of cluster: start, and restart after a SIGKILL."""
+    """Ray Train's own floor on the same kind of cluster, with raytrain's end points: `fit()` -> the first
+    completed step; a SIGKILL -> the first step completed by the new group, and -> the first step beyond the one
+    completed when the kill came (the steps since the last checkpoint trained again)."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -217,11 +292,11 @@ def bare_ray_train(storage: str) -> dict[str, float]:
     apply_ray_env_defaults()
     cluster = FakeCluster(3)
     ray.init(address=cluster.address)
-    marks = os.path.join(storage, "bare_marks.txt")
+    marks = os.path.join(storage, "bare_marks.jsonl")
     try:
         trainer = TorchTrainer(
             _bare_train_func,
-            train_loop_config={"marks": marks},
+            train_loop_config={"marks": marks, "steps": 30, "kill_step": 10},
             scaling_config=ScalingConfig(num_workers=3, resources_per_worker={"CPU": 1, WORKER_SLOT: 1}),
             run_config=RunConfig(name="bare", storage_path=storage, failure_config=FailureConfig(max_failures=3)),
         )
@@ -230,13 +305,16 @@ def bare_ray_train(storage: str) -> dict[str, float]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-    with open(marks) as f:
-        entries = [float(line.split()[0]) for line in f]
+    steps = read_jsonl(marks)
     with open(marks + ".kill") as f:
-        killed = float(f.read())
-    first_attempt = entries[:3]
-    second_attempt = [t for t in entries if t > killed]
-    return {"start_s": max(first_attempt) - started, "restart_s": max(second_attempt) - killed}
+        kill = json.load(f)
+    after = [m for m in steps if m["time"] > kill["time"]]
+    return {
+        "start_s": steps[0]["time"] - started,
+        "restart_s": after[0]["time"] - kill["time"],
+        "back_s": next(m["time"] for m in after if m["step"] > kill["step"]) - kill["time"],
+        "steps_lost": kill["step"] - (after[0]["step"] - 1),
+    }
 
 
 def main() -> int:
@@ -259,14 +337,27 @@ def main() -> int:
 
     print(
         table(
-            ["event", "world", "recovery s", "steps lost", "Ray s", "raytrain start s", "first step s", "detail"],
+            [
+                "event",
+                "world",
+                "recovery s",
+                "back s",
+                "steps lost",
+                "Ray s",
+                "of it: dead-node wait s",
+                "raytrain start s",
+                "first step s",
+                "detail",
+            ],
             [
                 [
                     name,
                     " -> ".join(str(w) for w in row["world_sizes"]),
                     f"{row['recovery_s']:.1f}",
+                    f"{row['back_s']:.1f}",
                     row["steps_lost"],
                     f"{row['ray_s']:.1f}",
+                    "" if row["node_death_wait_s"] is None else f"{row['node_death_wait_s']:.1f}",
                     f"{row['raytrain_start_s']:.2f} ("
                     + ", ".join(f"{k} {v:.2f}" for k, v in row["phases_s"].items())
                     + ")",
@@ -276,8 +367,35 @@ def main() -> int:
                 for name, row in rows.items()
             ]
             + [
-                ["bare start", "3", f"{bare['start_s']:.1f}", "-", "", "", "", "TorchTrainer.fit() -> train_func"],
-                ["bare restart", "3 -> 3", f"{bare['restart_s']:.1f}", "-", "", "", "", "SIGKILL -> train_func"],
+                ["bare start", "3", f"{bare['start_s']:.1f}", "", "-", "", "", "", "", "fit() -> first step"],
+                [
+                    "bare restart",
+                    "3 -> 3",
+                    f"{bare['restart_s']:.1f}",
+                    f"{bare['back_s']:.1f}",
+                    bare["steps_lost"],
+                    "",
+                    "",
+                    "",
+                    "",
+                    "SIGKILL -> first step of the new group",
+                ],
+            ],
+        )
+    )
+    drain, lost = rows["drain"], rows["remove"]
+    print(
+        table(
+            ["a node goes", "from", "back at the pre-event step, s", "steps trained again", "of which idle, s"],
+            [
+                [
+                    "with an 8 s notice (drain)",
+                    "the notice",
+                    f"{drain['back_s']:.1f}",
+                    drain["steps_lost"],
+                    f"{drain['notice_to_gone_s']:.1f} (training waits for the deadline)",
+                ],
+                ["without notice (node loss)", "the loss", f"{lost['back_s']:.1f}", lost["steps_lost"], "-"],
             ],
         )
     )
@@ -323,9 +441,16 @@ def main() -> int:
         "node_loss_s": round(rows["remove"]["recovery_s"], 2),
         "sigkill_s": round(rows["kill"]["recovery_s"], 2),
         "node_add_s": round(rows["add"]["recovery_s"], 2),
+        "node_loss_back_s": round(rows["remove"]["back_s"], 2),
+        "node_loss_steps_retrained": rows["remove"]["steps_lost"],
+        "node_loss_dead_node_wait_s": rows["remove"]["node_death_wait_s"],
+        "sigkill_back_s": round(rows["kill"]["back_s"], 2),
         "drain_s": round(rows["drain"]["recovery_s"], 2),
+        "drain_back_s": round(rows["drain"]["back_s"], 2),
+        "drain_notice_to_gone_s": round(rows["drain"]["notice_to_gone_s"], 2),
         "drain_steps_retrained": rows["drain"]["steps_lost"],
         "bare_sigkill_s": round(bare["restart_s"], 2),
+        "bare_sigkill_back_s": round(bare["back_s"], 2),
         "bare_start_s": round(bare["start_s"], 2),
         "autoscale_grow_s": auto["grow_s"],
         "replace_s": auto["replace_s"],
@@ -334,6 +459,7 @@ def main() -> int:
         "checkpoint_overhead_fraction": round(costs["fraction"]["background"], 4),
         "checkpoint_overhead_fraction_sync": round(costs["fraction"]["sync"], 4),
         **live_headline(live_row),
+        "settings": settings(),
     }
     headline["goals_met"] = {
         "drain_steps_retrained": headline["drain_steps_retrained"] == 0,
@@ -348,6 +474,22 @@ def main() -> int:
     return 0
 
 
+def settings() -> dict[str, Any]:
+    """The settings the figures depend on, beside the library's defaults."""
+    from raytrain.ray_hooks import FAST_NODE_DEATH
+    from raytrain.trainer import RAY_ENV_DEFAULTS
+
+    return {
+        "node_death": FAST_NODE_DEATH,
+        "node_death_in_cluster_yaml": True,  # cluster.yaml's head starts with the same --system-config
+        "resize_monitor_interval_s": MONITOR_INTERVAL_S,
+        "resize_monitor_interval_s_default": LIBRARY_MONITOR_INTERVAL_S,
+        "ray_env": RAY_ENV_DEFAULTS,
+        "checkpoint_every_steps": 4,
+        "drain_notice_s": 8,
+    }
+
+
 def live_headline(row: dict[str, Any]) -> dict[str, Any]:
     """The live run's headline keys (issue 17)."""
     return {
@@ -359,6 +501,12 @@ def live_headline(row: dict[str, Any]) -> dict[str, Any]:
         "live_batch_exact": row["batch_exact"],
         "live_audit_clean": row["audit_clean"],
         "live_loss_max_diff": row["loss_max_diff"],
+        # the heal: each kill -> the first step committed at full size again (None: never back), and the longest
+        # gap between committed steps until then
+        "live_heal_s": None
+        if None in (h["to_full_s"] for h in row["heals"])
+        else max(round(h["to_full_s"], 2) for h in row["heals"]),
+        "live_heal_longest_interval_s": max(round(h["longest_interval_s"] or 0.0, 2) for h in row["heals"]),
     }
 
 
@@ -401,7 +549,7 @@ def live_only(storage: str) -> int:
     kill = recovery("kill", storage)
     row = live(storage)
     print(live_table(row, kill))
-    headline = {"sigkill_s": round(kill["recovery_s"], 2), **live_headline(row)}
+    headline = {"sigkill_s": round(kill["recovery_s"], 2), **live_headline(row), "settings": settings()}
     headline["goals_met"] = live_goals(headline)
     print_headline(headline)
     return 0

@@ -1,7 +1,9 @@
 """python benchmarks/tables.py [RESULTS.json]
 
-Writes the headline table of a results file (`run_all.py`'s; default: the newest full run in benchmarks/results/)
-between the `benchmark-table` markers of README.md and benchmarks/README.md, naming the file it came from. Each
+Writes the headline table between the `benchmark-table` markers of README.md and benchmarks/README.md: from the
+results file given (`run_all.py`'s), or by default each benchmark from the newest full (not --quick) results file
+in benchmarks/results/ in which it ran (so `run_all.py --only NAME` renews that benchmark's rows), the header
+naming every file used with its date, commit and repetitions. Each
 row is one figure: its median over the repetitions with min-max, and whether its goal is met by the *worst*
 repetition (max for an upper bound, min for a lower bound). A figure the results file lacks is left out; nothing
 is typed by hand.
@@ -28,6 +30,9 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         (">=", 0.97),
     ),
     ("overhead", "design_ratio_matched_vs_naive", "the matched loop ÷ a naive one (a sync per micro-step)", None),
+    ("overhead", "no_sync_ratio_naive", "the naive loop with no_sync ÷ without: one sync per step", None),
+    ("overhead", "raytrain_checkpoint_s", "raytrain: time per checkpoint beyond the median step, s", None),
+    ("overhead", "matched_checkpoint_s", "the matched loop: the same (both save in the background)", None),
     (
         "input_pipeline",
         "parquet_over_hand_written",
@@ -37,6 +42,14 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("input_pipeline", "data_wait_fraction", "Parquet path: data wait ÷ step time, W = 2", ("<=", 0.05)),
     ("communication", "syncs_per_step_raytrain", "gradient syncs per optimizer step, DDP, k = 8", ("<=", 1.0)),
     ("communication", "syncs_per_step_naive", "the same for a naive accumulation loop", None),
+    (
+        "communication",
+        "zero3_syncs_per_step_raytrain_sharded",
+        "zero3 with grad_accumulation='sharded', k = 8: a sync per micro-step",
+        None,
+    ),
+    ("parallel", "peak_ratio_zero3", "peak bytes per rank, zero3 dp 4 ÷ ddp dp 4", None),
+    ("parallel", "peak_ratio_tp2pp2_vs_zero3", "peak bytes per rank, tp 2 x pp 2 ÷ zero3 dp 4", None),
     ("memory", "worst_planner_error", "memory planner vs measured peak, worst row", ("<=", 0.10)),
     ("memory", "init_peak_fraction", "sharded build: init peak per rank ÷ model, zero3 W = 4", None),
     (
@@ -47,23 +60,55 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ),
     ("memory", "pretrained_load_read_fraction", "pretrained load: bytes read per rank ÷ model, zero3 W = 4", None),
     ("recovery", "sigkill_s", "a worker SIGKILLed → first step of the new group, s", None),
-    ("recovery", "bare_sigkill_s", "bare Ray Train: SIGKILL → train_func entered again, s", None),
+    ("recovery", "bare_sigkill_s", "bare Ray Train, the same end point (all-reduce loop), s", None),
+    ("recovery", "sigkill_back_s", "a worker SIGKILLed → past the pre-kill step (retraining included), s", None),
+    ("recovery", "bare_sigkill_back_s", "bare Ray Train, the same end point, s", None),
     ("recovery", "node_loss_s", "a node lost → first step at the smaller size, s", None),
-    ("recovery", "node_add_s", "a node added → first step at the larger size, s", None),
+    ("recovery", "node_loss_dead_node_wait_s", "of it: raytrain's wait for the GCS to mark the node dead, s", None),
+    ("recovery", "node_add_s", "a node added → first step at the larger size (monitor 1 s), s", None),
+    ("recovery", "drain_back_s", "an 8 s drain notice → past the pre-notice step, s", None),
+    ("recovery", "node_loss_back_s", "a node lost without notice → past the pre-loss step, s", None),
     ("recovery", "drain_steps_retrained", "a node drained with notice: steps trained again", ("<=", 0)),
     ("recovery", "checkpoint_overhead_fraction", "training time lost to checkpoints every 5 steps", ("<=", 0.05)),
     ("recovery_live", "live_kill_pause_s", "live recovery: kill → next committed step, s", None),
+    ("recovery_live", "live_heal_s", "live recovery: kill → first step at full size again, s", None),
     ("recovery_live", "live_loss_max_diff", "live recovery: loss vs the run without kills", ("<=", 1e-4)),
 ]
 
 
-def newest_results() -> Path:
-    files = sorted(
-        (p for p in (HERE / "results").glob("*.json") if not p.stem.endswith("-quick")), key=lambda p: p.stat().st_mtime
-    )
-    if not files:
+def results_files() -> list[Path]:
+    """The full (not --quick) results files in benchmarks/results/, oldest first."""
+    files = [p for p in (HERE / "results").glob("*.json") if not p.stem.endswith("-quick")]
+    return sorted(files, key=lambda p: (json.loads(p.read_text())["date"], p.name))
+
+
+def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
+    """One results dict holding, for each benchmark, its entry from the newest file in which it ran without a
+    failure (a `run_all.py --only` run replaces only the benchmarks it ran), and the header naming every file
+    used: which benchmarks came from which file, its date, commit and repetitions."""
+    chosen: dict[str, tuple[Path, dict[str, Any]]] = {}
+    for path in files:
+        results = json.loads(path.read_text())
+        for bench, entry in results["benchmarks"].items():
+            if entry.get("runs") and not entry.get("failed"):
+                chosen[bench] = (path, results)
+    if not chosen:
         sys.exit("no results file in benchmarks/results/: run python benchmarks/run_all.py first")
-    return files[-1]
+    by_file: dict[Path, list[str]] = {}
+    for bench, (path, _) in chosen.items():
+        by_file.setdefault(path, []).append(bench)
+    parts = []
+    for path, benches in sorted(by_file.items(), key=lambda item: item[0].name):
+        results = json.loads(path.read_text())
+        machine = results["machine"]
+        parts.append(
+            f"{', '.join(sorted(benches))} from `benchmarks/results/{path.name}` ({results['date'][:10]}, commit "
+            f"{results['commit']}, {results['reps']} repetition(s); {machine.get('cpus')} CPUs, "
+            f"{machine.get('memory_gb')} GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, "
+            f"ray {machine.get('ray')})"
+        )
+    merged = {"benchmarks": {bench: results["benchmarks"][bench] for bench, (_, results) in chosen.items()}}
+    return merged, "From " + "; ".join(parts) + ":"
 
 
 def _number(value: float) -> str:
@@ -76,14 +121,16 @@ def _number(value: float) -> str:
     return f"{value:.3g}"
 
 
-def render(results: dict[str, Any], name: str) -> str:
-    """The markdown table of `results` (a run_all.py results file named `name`)."""
-    machine = results["machine"]
-    head = (
-        f"From `benchmarks/results/{name}` ({results['date'][:10]}, commit {results['commit']}, "
-        f"{results['reps']} repetition(s) per script; {machine.get('cpus')} CPUs, {machine.get('memory_gb')} GB, "
-        f"GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, ray {machine.get('ray')}):"
-    )
+def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
+    """The markdown table of `results` (a run_all.py results file named `name`, or with `head` the merged
+    results of `newest_per_benchmark`)."""
+    if head is None:
+        machine = results["machine"]
+        head = (
+            f"From `benchmarks/results/{name}` ({results['date'][:10]}, commit {results['commit']}, "
+            f"{results['reps']} repetition(s) per script; {machine.get('cpus')} CPUs, {machine.get('memory_gb')} "
+            f"GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, ray {machine.get('ray')}):"
+        )
     lines = [head, "", "| figure | median (min-max) | goal |", "|---|---|---|"]
     for bench, key, what, goal in ROWS:
         figure = results["benchmarks"].get(bench, {}).get("figures", {}).get(key)
@@ -113,8 +160,14 @@ def write_between_markers(path: Path, table: str) -> None:
 
 
 def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else newest_results()
-    table = render(json.loads(path.read_text()), path.name)
+    """`tables.py FILE`: the tables from one results file; `tables.py`: each benchmark from the newest file it ran
+    in."""
+    if len(sys.argv) > 1:
+        path = Path(sys.argv[1])
+        table = render(json.loads(path.read_text()), path.name)
+    else:
+        merged, head = newest_per_benchmark(results_files())
+        table = render(merged, "", head)
     for target in (ROOT / "README.md", HERE / "README.md"):
         write_between_markers(target, table)
     print(table)

@@ -173,10 +173,11 @@ def local_cpus(spec: TrainSpec) -> int:
     return math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0)) + 1
 
 
-def connect_ray(local_cpus: int = 1, reason: str = "") -> None:
+def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -> None:
     """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
     `local_cpus` logical CPUs (`reason` says why, in the one line that reports it); never join another process's
-    cluster found in /tmp/ray. No-op when connected.
+    cluster found in /tmp/ray. No-op when connected. `dashboard=False` (a dry run: Ray Data only, no training)
+    starts a local instance without the dashboard and its state API, ~4 s sooner.
 
     Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them. Quiet unless
     `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`). A local instance gets
@@ -193,16 +194,18 @@ def connect_ray(local_cpus: int = 1, reason: str = "") -> None:
         check_ray_address()
         init_ray(address=address)
     else:
-        port = own_state_api()
         explicit_token_mode()
         cpus = max(os.cpu_count() or 1, local_cpus)
-        init_ray(
-            address="local",
-            num_cpus=cpus,
-            include_dashboard=True,
-            dashboard_host="127.0.0.1",
-            dashboard_port=port,
-        )
+        if dashboard:
+            init_ray(
+                address="local",
+                num_cpus=cpus,
+                include_dashboard=True,
+                dashboard_host="127.0.0.1",
+                dashboard_port=own_state_api(),
+            )
+        else:
+            init_ray(address="local", num_cpus=cpus, include_dashboard=False)
         say(
             f"started a local Ray instance with {cpus} logical CPUs on {os.cpu_count()} cores"
             + (f" ({reason})" if reason else "")

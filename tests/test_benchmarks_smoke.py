@@ -144,6 +144,8 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     assert headline["syncs_per_step_raytrain"] == pytest.approx(1.0)
     assert headline["syncs_per_step_naive"] == pytest.approx(headline["k"])
     assert headline["zero3_syncs_per_step_raytrain"] == pytest.approx(1.0, abs=0.01)
+    # grad_accumulation="sharded" reduce-scatters in every micro-step: k syncs, the price of holding the shard only
+    assert headline["zero3_syncs_per_step_raytrain_sharded"] == pytest.approx(headline["k"], abs=0.05)
     figures = results["benchmarks"]["communication"]["figures"]
     assert figures["syncs_per_step_raytrain"] == {"min": 1.0, "median": 1.0, "max": 1.0, "n": 1}
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -155,3 +157,19 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     worse = json.loads(out.read_text())
     worse["benchmarks"]["communication"]["figures"]["syncs_per_step_raytrain"]["max"] = 2.0  # one bad repetition
     assert "<= 1: **missed**" in render(worse, out.name)
+    # A later `run_all.py --only overhead` whose communication entry failed: each benchmark's rows come from the
+    # newest file in which it ran, and the header names both files.
+    from tables import newest_per_benchmark
+
+    later = json.loads(out.read_text())
+    later["date"] = "2999-01-01T00:00:00+00:00"
+    later["benchmarks"]["communication"]["failed"] = ["Traceback ..."]
+    later["benchmarks"]["overhead"] = {"runs": [{"overhead_ratio": 0.5}], "failed": [], "figures": {}}
+    later["benchmarks"]["overhead"]["figures"]["overhead_ratio"] = {"min": 0.5, "median": 0.5, "max": 0.5, "n": 1}
+    second = tmp_path / "2999-01-01-def.json"
+    second.write_text(json.dumps(later))
+    merged, head = newest_per_benchmark([out, second])
+    assert merged["benchmarks"]["communication"] == results["benchmarks"]["communication"]
+    assert f"communication from `benchmarks/results/{out.name}`" in head
+    assert f"overhead from `benchmarks/results/{second.name}`" in head
+    assert "(`overhead_ratio`) | 0.5 | >= 0.97: **missed**" in render(merged, "", head)

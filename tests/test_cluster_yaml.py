@@ -297,6 +297,18 @@ def test_dashboard_binds_to_loopback_only(config: dict[str, Any], text: str) -> 
     assert "ray dashboard cluster.yaml" in text
 
 
+def test_the_head_marks_lost_nodes_dead_as_fast_as_the_tested_clusters(config: dict[str, Any]) -> None:
+    # The fake clusters of the tests and benchmarks start with FAST_NODE_DEATH (Ray accepts these keys there);
+    # recovery figures measured on them hold for cluster.yaml only when its head starts with the same values.
+    import json
+
+    from raytrain.ray_hooks import FAST_NODE_DEATH
+
+    flags = [arg for arg in head_start_command(config) if arg.startswith("--system-config=")]
+    assert len(flags) == 1, "the head's `ray start` sets no --system-config"
+    assert json.loads(flags[0].split("=", 1)[1]) == FAST_NODE_DEATH
+
+
 def test_no_inbound_rule_for_ray_ports(config: dict[str, Any]) -> None:
     rules = config["provider"].get("security_group", {}).get("IpPermissions", [])
     for rule in rules:

@@ -529,15 +529,16 @@ def _run_fit(args: argparse.Namespace) -> int:
     check_resumable(args.storage_at)
     check_ray_address()
     if args.dry_run:  # every check of a real start, then the plan; no worker starts
-        _make_trainer(job).check()
+        _make_trainer(job, dashboard=False).check()
         print(describe_plan(job))
         return 0
     with run_lock(args.run_dir):  # before Ray starts: a second `raytrain fit` of the same run refuses at once
         return _train_fit(job, args)
 
 
-def _make_trainer(job: FitJob) -> Any:
-    """The `ElasticTrainer` of a parsed config file (its datasets built on the driver, Ray started for them)."""
+def _make_trainer(job: FitJob, dashboard: bool = True) -> Any:
+    """The `ElasticTrainer` of a parsed config file (its datasets built on the driver, Ray started for them; a
+    local instance without its dashboard when `dashboard` is False: a dry run trains nothing)."""
     from raytrain.trainer import ElasticTrainer
 
     if job.layout_reason:
@@ -546,7 +547,7 @@ def _make_trainer(job: FitJob) -> Any:
         model_fn=job.entries["model"],
         loss_fn=job.entries["loss"],
         optimizer_fn=job.entries["optimizer"],
-        datasets=_build_datasets(job),
+        datasets=_build_datasets(job, dashboard),
         batch=job.spec.batch,
         lr=job.spec.lr,
         loop=job.spec.loop,
@@ -588,12 +589,12 @@ def format_fit_summary(summary: dict[str, Any]) -> str:
     )
 
 
-def _build_datasets(job: FitJob) -> dict[str, Any]:
-    """Call the datasets builder after Ray is up (a local instance, sized for the run, unless RAY_ADDRESS names a
-    cluster)."""
+def _build_datasets(job: FitJob, dashboard: bool = True) -> dict[str, Any]:
+    """Call the datasets builder after Ray is up (a local instance, sized for the run, with its dashboard unless
+    `dashboard` is False, unless RAY_ADDRESS names a cluster)."""
     from raytrain.trainer import connect_ray, local_cpus
 
-    connect_ray(local_cpus(job.spec), f"{job.spec.cluster.max_workers} workers and Ray Data")
+    connect_ray(local_cpus(job.spec), f"{job.spec.cluster.max_workers} workers and Ray Data", dashboard=dashboard)
     datasets = job.entries["datasets"]()
     if not isinstance(datasets, dict) or "train" not in datasets:
         raise ConfigError(

@@ -57,8 +57,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class StepPolicy:
     """How one optimizer step's micro-steps synchronise and compute; decided once per (re)start.
 
-    reduce_every_micro_step: FSDP reduce-scatters the gradients after every micro-step (sharded accumulation);
-        otherwise only the last micro-step synchronises (DDP always works this way).
+    reduce_every_micro_step: the gradients are reduced after every micro-step (FSDP: sharded accumulation; DDP:
+        only a benchmark's naive baseline asks for it); otherwise only the last micro-step synchronises.
     keep_params_gathered: FSDP keeps parameters unsharded from the first micro-step to the last (zero2).
     autocast_dtype: compute dtype under `torch.autocast` (mixed precision without FSDP), or None.
     dp_group: the data-parallel process group of a model-parallel layout (None: the default group is the dp axis).
@@ -415,7 +415,8 @@ def micro_step(model: nn.Module, *, last: bool, policy: StepPolicy) -> Iterator[
         else contextlib.nullcontext()
     )
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        with contextlib.nullcontext() if last else model.no_sync(), autocast:
+        sync = last or policy.reduce_every_micro_step
+        with contextlib.nullcontext() if sync else model.no_sync(), autocast:
             yield
         return
     set_sync = getattr(model, "set_requires_gradient_sync", None)
