@@ -5,16 +5,22 @@ language model (12 layers, d_model 768, 12 heads, context 1024, vocabulary 32768
 parameters, a minimal GPT written in this file) trained with raytrain's `train_step` (bf16 autocast, fp32 master
 weights, AdamW) on all visible GPUs: one process per GPU started with torch.multiprocessing (no torchrun, no
 Ray), nccl. Strategies: ddp and zero3 (FSDP2 `fully_shard` per block, as raytrain's `apply_parallelism` wraps
-every direct child; the GPT is an nn.Sequential of embedding, 12 blocks and head for that reason), and the plain
-unwrapped model. At W >= 2 the wrapping is raytrain's `apply_parallelism`; at W = 1 raytrain runs the model
-unwrapped (the "plain" row), so the ddp / zero3 rows wrap it the same way by hand to show the wrapper's cost.
+every direct child; the GPT is an nn.Sequential of embedding, 12 blocks and head for that reason), and the
+baseline **"FSDP2 by hand"**: the loop a user writes without raytrain (`fully_shard` per block and the root, bf16
+autocast, loss / k, `set_requires_gradient_sync(False)` on all but the last micro-batch, `clip_grad_norm_`, AdamW),
+the same work as raytrain's zero3 row (`raytrain_over_hand_zero3` is their tokens/s ratio). At W >= 2 raytrain's
+rows wrap with its `apply_parallelism`; at W = 1 raytrain runs the model unwrapped (the "plain" row: raytrain's own
+step), so its ddp / zero3 rows wrap it the same way by hand to show the wrapper's cost.
 
 Data are random tokens generated on the GPU (this measures the training step, not a data pipeline). Every
 optimizer step runs k micro-batches; raytrain synchronises only the last one. Counts come from a DDP comm hook
 around the default all-reduce hook and from wrapping torch.distributed's reduce-scatter entry points.
-MFU = model FLOPs per token x tokens/s / (W x peak), with model FLOPs per token = 6 N + 12 L d T (N the
-parameters in matrix multiplies, i.e. without the embedding tables; the second term attention), and the peak
-bf16 dense FLOP/s of the device from its datasheet (H100 / H200 SXM 989 TFLOP/s; pass --peak-tflops otherwise).
+MFU = model FLOPs per token x tokens/s / (W x peak), with model FLOPs per token = 6 N + 6 L d T (N the
+parameters in matrix multiplies, i.e. without the embedding tables; the second term causal attention: the
+non-causal 12 L d T halved, since a causal kernel computes only the lower triangle of QK^T and of its product with
+V; `mfu_noncausal_*` gives the PaLM-style figure beside it), and the peak bf16 dense FLOP/s of the card actually
+found, from its datasheet by its device name (H100/H200 SXM 989, H100/H200 NVL 835, H100 PCIe 756, A100 312,
+L40S 362 TFLOP/s; pass --peak-tflops for another card).
 
 Without CUDA it prints a table saying "skipped: no CUDA" and {"skipped": true, "reason": "no CUDA"}, and exits
 0. `--cpu-check` runs the same code on CPU with gloo and a tiny GPT (W = 2), to test the script itself.
@@ -37,7 +43,17 @@ from torch import nn
 
 from raytrain.testing.multiprocess import run_world
 
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+# Dense bf16 TFLOP/s per card from NVIDIA's datasheets (half the "with sparsity" figure), matched against
+# torch.cuda.get_device_name() in this order: the PCIe / NVL variants before the SXM default of the same chip.
+PEAK_BF16_TFLOPS = [
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.5),
+    ("H200 NVL", 835.5),
+    ("H100", 989.4),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    ("H200", 989.4),  # SXM ("NVIDIA H200")
+    ("A100", 312.0),  # SXM and PCIe alike
+    ("L40S", 362.0),
+]
 
 
 @dataclass(frozen=True)
@@ -163,12 +179,48 @@ def ddp_counting_hook(counter, bucket):  # no annotations: DDP checks them again
 # ---------------------------------------------------------------- one rank
 
 
+def hand_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2 as a user wraps it without raytrain: `fully_shard` on each block (every child with parameters) and
+    on the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = model.to(device)
+    for child in model.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def hand_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[dict[str, torch.Tensor]], device_type: str
+) -> float:
+    """One optimizer step of the loop a user writes without raytrain: per-token mean loss / k, gradient sync on
+    the last micro-batch only, clipping at 1.0, AdamW; returns the step's mean loss (a local float, no
+    all-reduce: the usual loop logs rank 0's)."""
+    k = len(batches)
+    total = 0.0
+    for j, batch in enumerate(batches):
+        model.set_requires_gradient_sync(j == k - 1)  # type: ignore[operator]
+        with torch.autocast(device_type=device_type, dtype=torch.bfloat16):
+            logits = model(batch["tokens"][:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch["tokens"][:, 1:].flatten())
+        (loss / k).backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total / k
+
+
 def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> nn.Module:
     """raytrain's `apply_parallelism`; at W = 1 (where raytrain wraps nothing) the same wrapping by hand."""
     from raytrain.parallel.apply import apply_parallelism
 
     if strategy == "plain":
         return model.to(device)
+    if strategy == "hand_fsdp2":
+        return hand_fsdp2(model, device)
     if world > 1:
         return apply_parallelism(model, strategy, device, world)
     model = model.to(device)
@@ -195,9 +247,19 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     model = wrap(model, strategy, device, world)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.register_comm_hook(COUNTER, ddp_counting_hook)
-    optimizer = build_optimizer(model, torch.optim.AdamW, 3e-4, "zero3" if strategy == "zero3" else "ddp")
+    if strategy == "hand_fsdp2":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    else:
+        optimizer = build_optimizer(model, torch.optim.AdamW, 3e-4, "zero3" if strategy == "zero3" else "ddp")
     mb, k = args["micro_batch"], args["accumulation"]
     loss_fn = functools.partial(lm_loss, device_type=device.type)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer, step_batches: list[dict[str, torch.Tensor]]) -> float:
+        """The global mean loss of raytrain's step, or rank 0's mean loss of the hand-written one."""
+        if strategy == "hand_fsdp2":
+            return hand_step(model, optimizer, step_batches, device.type)
+        return train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb).loss_sum / (world * k * mb)
+
     generator = torch.Generator(device=device).manual_seed(1234 + rank)
 
     def batches() -> list[dict[str, torch.Tensor]]:
@@ -210,7 +272,7 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args["warmup"]):
-        loss = train_step(model, optimizer, loss_fn, batches(), world, world * k * mb).loss_sum
+        loss = step(model, optimizer, batches())
     data = [batches() for _ in range(args["steps"])]
     if cuda:
         torch.cuda.synchronize(device)
@@ -218,24 +280,25 @@ def run_strategy(strategy: str, rank: int, world: int, device: torch.device, arg
     COUNTER.calls.clear()
     started = time.perf_counter()
     for step_batches in data:
-        loss = train_step(model, optimizer, loss_fn, step_batches, world, world * k * mb).loss_sum
+        loss = step(model, optimizer, step_batches)
     if cuda:
         torch.cuda.synchronize(device)
     dist.barrier()
     elapsed = time.perf_counter() - started
     tokens = args["steps"] * world * k * mb * c.context
-    flops_per_token = 6 * n_matmul + 12 * c.layers * c.d_model * c.context
+    flops_per_token = 6 * n_matmul + 6 * c.layers * c.d_model * c.context  # causal attention: half of 12 L d T
     result = {
         "strategy": strategy,
         "params": n_params,
         "tokens_per_s": tokens / elapsed,
         "step_s": elapsed / args["steps"],
         "flops_per_token": flops_per_token,
+        "flops_per_token_noncausal": flops_per_token + 6 * c.layers * c.d_model * c.context,
         "all_reduce_per_step": COUNTER.calls.get("all_reduce", 0) / args["steps"],
         "reduce_scatter_per_step": COUNTER.calls.get("reduce_scatter", 0) / args["steps"],
         "all_gather_per_step": COUNTER.calls.get("all_gather", 0) / args["steps"],
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if cuda else float("nan"),
-        "last_loss": loss / (world * k * mb),  # train_step's loss sum is global
+        "last_loss": loss,
     }
     del model, optimizer, data
     if cuda:
@@ -259,7 +322,8 @@ def rank_main(rank: int, world: int, args: dict[str, Any]) -> list[dict[str, Any
 
 
 def peak_tflops(name: str) -> float:
-    for key, value in PEAK_BF16_TFLOPS.items():
+    """The dense bf16 peak of the card named `name` (`torch.cuda.get_device_name`), or NaN when unknown."""
+    for key, value in PEAK_BF16_TFLOPS:
         if key in name:
             return value
     return float("nan")
@@ -297,7 +361,7 @@ def main() -> None:
         "warmup": warmup,
         "micro_batch": micro_batch,
         "accumulation": args.accumulation,
-        "strategies": ["plain", "ddp", "zero3"] if world == 1 else ["ddp", "zero3"],
+        "strategies": ["plain", "ddp", "zero3", "hand_fsdp2"] if world == 1 else ["ddp", "zero3", "hand_fsdp2"],
     }
     backend = "gloo" if args.cpu_check else "nccl"
     results = run_world(rank_main, world, run_args, backend=backend, preload=("torch", "raytrain.worker_loop"))[0]
@@ -310,10 +374,17 @@ def main() -> None:
         f"{steps} measured steps after {warmup} warm-up; peak {peak} TFLOP/s per device"
     )
     rows = []
+    labels = {"plain": "raytrain, unwrapped (W = 1)", "hand_fsdp2": "FSDP2 by hand (no raytrain)"}
     for r in results:
-        mfu = r["flops_per_token"] * r["tokens_per_s"] / (world * peak * 1e12) if not math.isnan(peak) else float("nan")
-        r["mfu"] = mfu
-        label = r["strategy"] + (" (wrapped by hand at W=1)" if world == 1 and r["strategy"] != "plain" else "")
+
+        def mfu_of(flops: float, r: dict[str, Any] = r) -> float:
+            return flops * r["tokens_per_s"] / (world * peak * 1e12) if not math.isnan(peak) else float("nan")
+
+        mfu = r["mfu"] = mfu_of(r["flops_per_token"])
+        r["mfu_noncausal"] = mfu_of(r["flops_per_token_noncausal"])
+        label = labels.get(r["strategy"], "raytrain " + r["strategy"])
+        if world == 1 and r["strategy"] in ("ddp", "zero3"):
+            label += " (wrapped by hand at W=1)"
         rows.append(
             [
                 label,
@@ -362,6 +433,10 @@ def main() -> None:
             "tokens_per_s_zero3": round(by["zero3"]["tokens_per_s"]),
             "mfu_ddp": None if math.isnan(by["ddp"]["mfu"]) else round(by["ddp"]["mfu"], 4),
             "mfu_zero3": None if math.isnan(by["zero3"]["mfu"]) else round(by["zero3"]["mfu"], 4),
+            "mfu_noncausal_zero3": None if math.isnan(by["zero3"]["mfu"]) else round(by["zero3"]["mfu_noncausal"], 4),
+            "tokens_per_s_hand_fsdp2": round(by["hand_fsdp2"]["tokens_per_s"]),
+            "raytrain_over_hand_zero3": round(by["zero3"]["tokens_per_s"] / by["hand_fsdp2"]["tokens_per_s"], 3),
+            "peak_tflops": None if math.isnan(peak) else peak,
             "all_reduces_per_step_ddp": by["ddp"]["all_reduce_per_step"],
             "reduce_scatters_per_step_zero3": by["zero3"]["reduce_scatter_per_step"],
             "accumulation": args.accumulation,

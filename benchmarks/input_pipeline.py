@@ -11,7 +11,9 @@ Data: a Parquet set the script writes (64 float32 features as Ray's tensor type,
     materialized W=2   a `ray.data.Dataset` in deterministic mode: loaded whole into every worker;
     streaming W=2      deterministic=False: `get_dataset_shard` + raytrain's per-step agreement;
     hand-written W=2   the baseline: a plain `TorchTrainer` loop over `get_dataset_shard("train")
-                       .iter_torch_batches(prefetch_batches=4)` with the same model, accumulation and DDP no_sync.
+                       .iter_torch_batches(prefetch_batches=4)` with the same model, accumulation and DDP no_sync;
+    parquet, materialized W=2 on a data set 4x as large (`... x4`), for the same number of steps: what a
+                       worker's memory does when the data set grows.
 
 Measured on rank 0 from metrics.jsonl, in the steady state (after the first `skip` steps, without the first step
 of each epoch):
@@ -19,12 +21,18 @@ of each epoch):
 where data_wait_s is the loop's real wall time inside `source.next_step` (reading, waiting for a prefetch,
 gathering rows, agreeing the step); samples/s = samples of the steady steps / their wall time (the hand-written
 loop records its own step times the same way);
-    worker_data_bytes_fraction = peak of data_held_bytes (the numpy bytes of training data a rank holds: its
-    windows and prefetched windows) / the data set's bytes in memory.
-Data position in a checkpoint halfway through an epoch of 1e7 samples: the bytes and time of what each mode writes
-for it (the position modes: the train state's JSON; streaming: the consumed-id set as ranges, for the ids a real
-Ray Data streaming split consumed and for ids in random order, each beside the id array written before), written
-for real to a temporary directory.
+    parquet_over_materialized = samples/s of the Parquet path / the materialized path's, same run.
+Memory, measured for real on **every rank**: the loss function of each run is wrapped by a probe that records,
+every 10 micro-batches, the worker process's peak RSS (`getrusage`) and pyarrow's allocated bytes; per run the
+largest rank's peaks are kept. A worker's memory for data is the growth of its peak RSS when the data set is 4x
+as large (same model, steps and batch): `worker_rss_growth_bytes_parquet` (bounded: the windows it holds do not
+grow) against `worker_rss_growth_bytes_materialized` (every worker holds the whole set). `data_held_bytes` (the
+numpy bytes of rank 0's windows, raytrain's own bookkeeping) is printed beside them, no longer as a headline.
+Data position in a checkpoint: `position_checkpoint_bytes` is the size of the position files of the Parquet run's
+real final checkpoint (the train state and the consumed-id ranges); and halfway through an epoch of 1e7 samples,
+the bytes and time of what each mode writes for it (the position modes: the train state's JSON; streaming: the
+consumed-id set as ranges, for the ids a real Ray Data streaming split consumed and for ids in random order, each
+beside the id array written before), written for real to a temporary directory.
 """
 
 from __future__ import annotations
@@ -87,27 +95,80 @@ def write_parquet(directory: str, rows: int) -> None:
         pq.write_table(table_, os.path.join(directory, f"part-{part:02d}.parquet"), row_group_size=ROW_GROUP)
 
 
-def run_raytrain(storage: str, data_dir: str, name: str, mode: str, workers: int, epochs: int) -> dict[str, Any]:
-    """One raytrain run; returns rank 0's metrics records and the run's start/end times."""
+class MemoryProbe:
+    """The loss function, and every `every` calls a line {pid, peak RSS bytes, pyarrow allocated bytes} appended
+    to `<directory>/memory-<pid>.jsonl`: the worker's real memory, on every rank."""
+
+    def __init__(self, directory: str, every: int = 10) -> None:
+        self.directory, self.every, self.calls = directory, every, 0
+
+    def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % self.every == 1:
+            import resource
+
+            import pyarrow as pa
+
+            peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+            record = {"pid": os.getpid(), "peak_rss": peak_rss, "arrow": pa.total_allocated_bytes()}
+            with open(os.path.join(self.directory, f"memory-{os.getpid()}.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return (model(batch["x"]) - batch["y"]) ** 2
+
+
+def memory_peaks(directory: str) -> dict[str, float]:
+    """The largest rank's peak RSS and pyarrow bytes recorded by `MemoryProbe` in `directory`."""
+    records = [r for name in os.listdir(directory) for r in read_jsonl(os.path.join(directory, name))]
+    if not records:
+        return {"peak_rss": float("nan"), "arrow": float("nan"), "ranks": 0}
+    return {
+        "peak_rss": max(r["peak_rss"] for r in records),
+        "arrow": max(r["arrow"] for r in records),
+        "ranks": len({r["pid"] for r in records}),
+    }
+
+
+def position_bytes(checkpoint_dir: str | None) -> float:
+    """Bytes of the data position in a real checkpoint: the train state file and the consumed-id ranges."""
+    from raytrain.checkpoint import CONSUMED_FILE
+    from raytrain.checkpoint_files import STATE_FILE
+
+    if checkpoint_dir is None:
+        return float("nan")
+    names = [n for n in (STATE_FILE, CONSUMED_FILE) if os.path.exists(os.path.join(checkpoint_dir, n))]
+    return float(sum(os.path.getsize(os.path.join(checkpoint_dir, n)) for n in names)) if names else float("nan")
+
+
+def run_raytrain(
+    storage: str, data_dir: str, name: str, mode: str, workers: int, epochs: int, max_steps: int | None = None
+) -> dict[str, Any]:
+    """One raytrain run; returns rank 0's metrics records, the run's start/end times, every rank's memory peaks
+    and the position bytes of its final checkpoint."""
     import ray.data
 
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
     from raytrain.data.parquet import ParquetSource
-    from raytrain.toy import squared_error
     from raytrain.trainer import ElasticTrainer
 
     train: Any = (
         ParquetSource(data_dir, shuffle_window=WINDOW) if mode == "parquet" else ray.data.read_parquet(data_dir)
     )
+    probe_dir = os.path.join(storage, f"{name}-memory")
+    os.makedirs(probe_dir)
     trainer = ElasticTrainer(
         model_fn=build_model,
-        loss_fn=squared_error,
+        loss_fn=MemoryProbe(probe_dir),
         optimizer_fn=sgd,
         datasets={"train": train},
         batch=BatchConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH),
         lr=LRConfig(base_lr=0.01),
         loop=LoopConfig(
-            epochs=epochs, strategy="ddp", deterministic=mode != "streaming", id_column="id", log_every=10**6
+            epochs=epochs,
+            max_steps=max_steps,
+            strategy="ddp",
+            deterministic=mode != "streaming",
+            id_column="id",
+            log_every=10**6,
         ),
         checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=10**6, keep=1),
         cluster=ClusterConfig(min_workers=workers, max_workers=workers, max_failures=0),
@@ -115,7 +176,15 @@ def run_raytrain(storage: str, data_dir: str, name: str, mode: str, workers: int
     )
     started = time.time()
     result = trainer.fit()
-    return {"records": read_jsonl(result.metrics_path), "started": started, "ended": time.time()}
+    ended = time.time()
+    checkpoint = result.checkpoint.path if result.checkpoint is not None else None
+    return {
+        "records": read_jsonl(result.metrics_path),
+        "started": started,
+        "ended": ended,
+        "memory": memory_peaks(probe_dir),
+        "position_bytes": position_bytes(checkpoint),
+    }
 
 
 def hand_written_loop(config: dict[str, Any]) -> None:
@@ -183,7 +252,12 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
         wait += cur.get("data_wait_s", float("nan"))
         samples += cur["global_batch_size"]
     held = [r["data_held_bytes"] for r in records if "data_held_bytes" in r]
+    memory = run_.get("memory", {})
     return {
+        "peak_rss_mb": memory.get("peak_rss", float("nan")) / 1e6,
+        "arrow_mb": memory.get("arrow", float("nan")) / 1e6,
+        "ranks_probed": memory.get("ranks", 0),
+        "position_bytes": run_.get("position_bytes", float("nan")),
         "steps": len(records),
         "wait_fraction": wait / total if total else float("nan"),
         "samples_per_s": samples / total if total else float("nan"),
@@ -267,15 +341,16 @@ def position_checkpoint_cost(samples: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one short parquet run at W=2 (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="short parquet runs at W=2, 1x and 4x data (a smoke run)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each run (default 2)")
     args = parser.parse_args()
     if args.quick:
         reps, steps_per_epoch, skip, epochs = 1, 20, 3, 1
-        runs = [("parquet", 2)]
+        runs = [("parquet", 2), ("parquet x4", 2)]
     else:
         reps, steps_per_epoch, skip, epochs = args.reps, 80, 10, 2
         runs = [("parquet", 2), ("parquet", 3), ("materialized", 2), ("streaming", 2), ("hand-written", 2)]
+        runs += [("parquet x4", 2), ("materialized x4", 2)]
     rows = steps_per_epoch * GLOBAL_BATCH
     data_bytes = rows * ROW_BYTES
     wall = time.perf_counter()
@@ -283,15 +358,20 @@ def main() -> None:
     print(machine_line())
     results: dict[str, list[dict[str, float]]] = {f"{m} W={w}": [] for m, w in runs}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as storage:
-        data_dir = os.path.join(storage, "data")
+        data_dir, large_dir = os.path.join(storage, "data"), os.path.join(storage, "data-x4")
         write_parquet(data_dir, rows)
+        write_parquet(large_dir, 4 * rows)
         for rep in range(reps):
             for mode, workers in runs if rep % 2 == 0 else runs[::-1]:
                 key = f"{mode} W={workers}"
+                name = f"{mode.replace(' ', '-')}-{workers}-{rep}"
                 if mode == "hand-written":
                     run_ = run_hand_written(storage, data_dir, workers, epochs)
+                elif mode.endswith(" x4"):  # 4x the data, the same steps
+                    base = mode.split()[0]
+                    run_ = run_raytrain(storage, large_dir, name, base, workers, 1, max_steps=epochs * steps_per_epoch)
                 else:
-                    run_ = run_raytrain(storage, data_dir, f"{mode}-{workers}-{rep}", mode, workers, epochs)
+                    run_ = run_raytrain(storage, data_dir, name, mode, workers, epochs)
                 results[key].append(summarise(run_, skip, data_bytes))
                 print(f"  done {key} rep {rep}: wait fraction {results[key][-1]['wait_fraction']:.3f}", flush=True)
     cost = position_checkpoint_cost(10**6 if args.quick else 10**7)
@@ -303,8 +383,30 @@ def main() -> None:
         f"in {FILES} files of {ROW_GROUP}-row row groups ({windows} windows of {WINDOW}), global batch {GLOBAL_BATCH}, "
         f"micro-batch {MICRO_BATCH}, {epochs} epoch(s) of {steps_per_epoch} steps, steady state after step {skip}"
     )
-    keys = ["wait_fraction", "samples_per_s", "data_bytes_fraction", "startup_s", "wall_s"]
-    headers = ["run", "rep", "data wait fraction", "samples/s", "data bytes held / data set", "start-up s", "wall s"]
+    keys = [
+        "wait_fraction",
+        "samples_per_s",
+        "peak_rss_mb",
+        "arrow_mb",
+        "ranks_probed",
+        "data_bytes_fraction",
+        "position_bytes",
+        "startup_s",
+        "wall_s",
+    ]
+    headers = [
+        "run",
+        "rep",
+        "data wait fraction",
+        "samples/s",
+        "peak RSS MB (largest rank)",
+        "pyarrow MB",
+        "ranks probed",
+        "rank 0 windows / data set",
+        "position bytes",
+        "start-up s",
+        "wall s",
+    ]
     out_rows: list[list[Any]] = []
     medians: dict[str, dict[str, float]] = {}
     for key, reps_ in results.items():
@@ -325,7 +427,10 @@ def main() -> None:
         f"{cost['streaming_random_bytes'] / 1e6:.1f} MB in {cost['streaming_random_s'] * 1000:.0f} ms; as an id array "
         f"{cost['streaming_random_array_bytes'] / 1e6:.1f} MB"
     )
-    print("goals: data wait fraction <= 0.05 at W = 2 and 3; data bytes held / data set <= 0.1 (parquet)")
+    print(
+        "goals: data wait fraction <= 0.05 at W = 2 and 3; Parquet samples/s >= 0.95 of the materialized path's; "
+        "a worker's peak RSS does not grow with the data set on the Parquet path"
+    )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
 
     def pick(key: str, field: str) -> float | None:
@@ -334,11 +439,23 @@ def main() -> None:
 
     hand = pick("hand-written W=2", "samples_per_s")
     parquet2 = pick("parquet W=2", "samples_per_s")
+    materialized2 = pick("materialized W=2", "samples_per_s")
+
+    def growth(mode: str) -> float | None:
+        small, large = pick(f"{mode} W=2", "peak_rss_mb"), pick(f"{mode} x4 W=2", "peak_rss_mb")
+        return None if small is None or large is None else round((large - small) * 1e6)
+
     print_headline(
         {
             "data_wait_fraction": pick("parquet W=2", "wait_fraction"),
             "data_wait_fraction_w3": pick("parquet W=3", "wait_fraction"),
-            "worker_data_bytes_fraction": pick("parquet W=2", "data_bytes_fraction"),
+            "parquet_over_materialized": round(parquet2 / materialized2, 3) if parquet2 and materialized2 else None,
+            "worker_peak_rss_bytes_parquet": None if (v := pick("parquet W=2", "peak_rss_mb")) is None else v * 1e6,
+            "worker_rss_growth_bytes_parquet": growth("parquet"),
+            "worker_rss_growth_bytes_materialized": growth("materialized"),
+            "data_set_bytes": data_bytes,
+            "data_set_bytes_x4": 4 * data_bytes,
+            "position_checkpoint_bytes": pick("parquet W=2", "position_bytes"),
             "data_wait_fraction_materialized": pick("materialized W=2", "wait_fraction"),
             "data_wait_fraction_streaming": pick("streaming W=2", "wait_fraction"),
             "samples_per_s_parquet_w2": parquet2,

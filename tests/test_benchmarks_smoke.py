@@ -68,6 +68,7 @@ def test_gpu_quick_skips_or_runs() -> None:
         assert headline == {"skipped": True, "reason": "no CUDA"}
     else:
         assert {"tokens_per_s_ddp", "tokens_per_s_zero3", "mfu_ddp", "mfu_zero3"} <= headline.keys()
+        assert headline["peak_tflops"] is not None, f"no datasheet peak for {headline['device']}: add it"
 
 
 def test_gpu_code_path_runs_on_cpu() -> None:
@@ -77,6 +78,8 @@ def test_gpu_code_path_runs_on_cpu() -> None:
     assert headline["all_reduces_per_step_ddp"] >= 1  # one sync (all its buckets) per optimizer step
     assert headline["reduce_scatters_per_step_zero3"] >= 1
     assert headline["tokens_per_s_ddp"] > 0 and headline["tokens_per_s_zero3"] > 0
+    assert headline["tokens_per_s_hand_fsdp2"] > 0  # the loop written without raytrain ran the same work
+    assert headline["raytrain_over_hand_zero3"] > 0
 
 
 def test_gpu_check_skips_or_passes() -> None:
@@ -111,6 +114,9 @@ def test_input_pipeline_quick() -> None:
     headline = run_benchmark("input_pipeline.py")
     assert "data_wait_fraction" in headline
     assert 0 <= headline["data_wait_fraction"] < 1
+    # Real memory on every rank and a real checkpoint's position files, not bookkeeping
+    assert headline["worker_peak_rss_bytes_parquet"] > 0 and headline["worker_rss_growth_bytes_parquet"] is not None
+    assert headline["position_checkpoint_bytes"] > 0
 
 
 def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Path) -> None:
