@@ -223,16 +223,10 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> n
         return hand_fsdp2(model, device)
     if world > 1:
         return apply_parallelism(model, strategy, device, world)
-    model = model.to(device)
     if strategy == "ddp":
+        model = model.to(device)
         return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    from torch.distributed.fsdp import fully_shard
-
-    for child in model.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, reshard_after_forward=True)
-    fully_shard(model, reshard_after_forward=True)
-    return model
+    return hand_fsdp2(model, device)  # zero3 at W = 1: FSDP2 per block and root, as apply_parallelism wraps
 
 
 def run_strategy(strategy: str, rank: int, world: int, device: torch.device, args: dict[str, Any]) -> dict[str, Any]:

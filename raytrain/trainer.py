@@ -196,16 +196,8 @@ def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -
     else:
         explicit_token_mode()
         cpus = max(os.cpu_count() or 1, local_cpus)
-        if dashboard:
-            init_ray(
-                address="local",
-                num_cpus=cpus,
-                include_dashboard=True,
-                dashboard_host="127.0.0.1",
-                dashboard_port=own_state_api(),
-            )
-        else:
-            init_ray(address="local", num_cpus=cpus, include_dashboard=False)
+        where = {"dashboard_host": "127.0.0.1", "dashboard_port": own_state_api()} if dashboard else {}
+        init_ray(address="local", num_cpus=cpus, include_dashboard=dashboard, **where)
         say(
             f"started a local Ray instance with {cpus} logical CPUs on {os.cpu_count()} cores"
             + (f" ({reason})" if reason else "")
