@@ -16,7 +16,13 @@ reduce-scattered after every micro-step), the table gives the measured peak of t
 figure, `raytrain.memory_plan.loop_memory`, which counts the gathered working set (zero2: every unit; zero3: two
 units) and the accumulated gradients. Printed last, as one JSON line:
 
-    worst_planner_error   max |measured - planned| / planned over every row (goal <= 0.10)
+    planner_counts        what the planner accounts: model state; activations are excluded (and kept small here)
+    worst_planner_error   max |measured - planned| / planned over every row of the stack (goal <= 0.10)
+    worst_planner_error_out_of_sample
+                          the same over torch's nn.TransformerEncoder, a model the planner was not written against
+                          (ddp, zero2, zero3; k = 1 and 4), fp32 (goal <= 0.10)
+    worst_planner_error_bf16
+                          the same model in bf16 (autocast for ddp, FSDP2 mixed precision for zero2/zero3)
     init_peak_fraction    peak bytes per rank while building, sharding and initialising the model at zero3, W = 4,
                           divided by the full model's parameter bytes (goal: near 1/W + largest module / model;
                           the old path, building the whole model on every rank first, is measured beside it)
@@ -58,6 +64,7 @@ WIDTH, BLOCKS, VOCAB = 128, 8, 512
 MICRO_BATCH = 2
 STEPS = 2
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+TRANSFORMER_LAYERS = 4
 
 
 class Block(nn.Module):
@@ -86,6 +93,25 @@ class Stack(nn.Module):
         return self.head(h)
 
 
+class TorchTransformer(nn.Module):
+    """A classifier on torch's own `nn.TransformerEncoder` (attention, its own layer and init code): a model the
+    planner was not written against, to check it out of sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        layer = nn.TransformerEncoderLayer(WIDTH, nhead=4, dim_feedforward=4 * WIDTH, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=TRANSFORMER_LAYERS, enable_nested_tensor=False)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(tokens)).mean(dim=1))
+
+
+MODELS: dict[str, type[nn.Module]] = {"stack": Stack, "torch-transformer": TorchTransformer}
+SEQ = {"stack": 0, "torch-transformer": 8}  # tokens per sample (0: one token, the stack's input)
+
+
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     logits = model(batch["x"])
     return nn.functional.cross_entropy(logits, batch["y"], reduction="none")
@@ -95,45 +121,56 @@ def adamw(params: Any, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, foreach=False)  # foreach would add a temporary per tensor list
 
 
-def configs(worlds: list[int]) -> list[dict[str, Any]]:
+def configs(worlds: list[int], quick: bool = False) -> list[dict[str, Any]]:
+    """Every row to measure: the stack (in sample) under each strategy and gradient mode in fp32, and torch's
+    transformer (out of sample) under ddp, zero2 and zero3 in fp32 and bf16 (at k = 4 only with `quick`)."""
     rows = []
     for world in worlds:
         for k in (1, 4):
             for strategy in STRATEGIES:
                 modes = ("unsharded", "sharded") if strategy in ("zero2", "zero3") and k > 1 else ("unsharded",)
-                rows += [{"world": world, "k": k, "strategy": s, "mode": m} for s in (strategy,) for m in modes]
+                rows += [
+                    {"model": "stack", "precision": "fp32", "world": world, "k": k, "strategy": strategy, "mode": m}
+                    for m in modes
+                ]
+        for precision in ("fp32", "bf16"):
+            for k in (4,) if quick else (1, 4):
+                for strategy in ("ddp", "zero2", "zero3"):
+                    mode = "sharded" if strategy != "ddp" and k > 1 else "unsharded"
+                    config = {"world": world, "k": k, "strategy": strategy, "mode": mode}
+                    rows.append({"model": "torch-transformer", "precision": precision, **config})
     return rows
 
 
-def batches(rank: int, world: int, k: int, step: int) -> list[dict[str, torch.Tensor]]:
+def batches(rank: int, world: int, k: int, step: int, seq: int = 0) -> list[dict[str, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1000 * step + 10 * rank + k)
     out = []
     for _ in range(k):
-        x = torch.randint(0, VOCAB, (MICRO_BATCH,), generator=generator)
+        x = torch.randint(0, VOCAB, (MICRO_BATCH, seq) if seq else (MICRO_BATCH,), generator=generator)
         out.append({"x": x, "y": torch.randint(0, VOCAB, (MICRO_BATCH,), generator=generator)})
     return out
 
 
 def run_config(config: dict[str, Any], rank: int, full_init: bool = False) -> dict[str, Any]:
     world, k, strategy = config["world"], config["k"], config["strategy"]
+    model_class, precision, seq = MODELS[config["model"]], config["precision"], SEQ[config["model"]]
     tracker = LiveBytes()
     losses = []
     with tracker:
         trace = None
         if full_init:  # the full build: the whole model on every rank, then sharded
             torch.manual_seed(0)
-            model = Stack()
+            model = model_class()
         else:  # the sharded build: recorded on meta, each rank replays its shard
-            built = record_build(Stack)
+            built = record_build(model_class)
             model, trace = built.model, built.trace
-        model = apply_parallelism(model, strategy, torch.device("cpu"), world, init=trace, seed=0)
+        model = apply_parallelism(model, strategy, torch.device("cpu"), world, init=trace, seed=0, precision=precision)
         tracker.mark("init")
         optimizer = build_optimizer(model, adamw, 1e-3, strategy)
-        policy = step_policy(strategy, world, "fp32", config["mode"])
+        policy = step_policy(strategy, world, precision, config["mode"])
         for step in range(STEPS):
-            result = train_step(
-                model, optimizer, loss_fn, batches(rank, world, k, step), world, world * k * MICRO_BATCH, None, policy
-            )
+            micro = batches(rank, world, k, step, seq)
+            result = train_step(model, optimizer, loss_fn, micro, world, world * k * MICRO_BATCH, None, policy)
             losses.append(result.loss_sum)  # summed over every rank's samples
         tracker.mark("steps")
     del model, optimizer
@@ -149,8 +186,9 @@ def rank_main(rank: int, world: int, rows: list[dict[str, Any]]) -> list[dict[st
         results.append({**config, **run_config(config, rank)})
         dist.barrier()
     if world == max(r["world"] for r in rows):
-        old = run_config({"world": world, "k": 1, "strategy": "zero3", "mode": "unsharded"}, rank, full_init=True)
-        results.append({"world": world, "k": 1, "strategy": "zero3", "mode": "full-init", **old})
+        config = {"model": "stack", "precision": "fp32", "world": world, "k": 1, "strategy": "zero3"}
+        old = run_config({**config, "mode": "unsharded"}, rank, full_init=True)
+        results.append({**config, "mode": "full-init", **old})
     return results
 
 
@@ -219,6 +257,17 @@ def measure_pretrained_load(world: int, quick: bool) -> dict[str, float]:
     return results
 
 
+def model_shape(model_class: type[nn.Module]) -> tuple[int, int, int, int]:
+    """(parameters, largest FSDP unit, root unit, largest single module's own parameters) of a model, from a
+    meta-device build and the units raytrain would wrap."""
+    with torch.device("meta"):
+        meta = model_class()
+    units, _ = fsdp_units(meta)
+    sizes = unit_params(meta, units)
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in meta.modules())
+    return sum(p.numel() for p in meta.parameters()), max(sizes), sizes[-1], largest_module
+
+
 def single_process_losses(k: int, world: int) -> list[float]:
     """The same steps in one process, unwrapped: every rank's micro-batches in one batch per step."""
     built = record_build(Stack)
@@ -237,51 +286,56 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="W = 2 only (a smoke run)")
     args = parser.parse_args()
     worlds = [2] if args.quick else [2, 4]
-    rows = configs(worlds)
+    rows = configs(worlds, args.quick)
     started = time.perf_counter()
-    with torch.device("meta"):
-        meta = Stack()
-    num_params = sum(p.numel() for p in meta.parameters())
-    units, _ = fsdp_units(meta)
-    sizes = unit_params(meta, units)
-    largest_unit, root_unit = max(sizes), sizes[-1]
-    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in meta.modules())
+    shapes = {name: model_shape(cls) for name, cls in MODELS.items()}
+    num_params, largest_unit, root_unit, largest_module = shapes["stack"]
     measured: dict[int, list[list[dict[str, Any]]]] = {}
     for world in worlds:
         measured[world] = run_world(rank_main, world, rows, preload=["torch", "torch.distributed.fsdp", "raytrain"])
 
+    transformer = shapes["torch-transformer"]
     print(
-        f"Peak tensor bytes per rank (LiveBytes: every allocation), {num_params:,} fp32 parameters "
-        f"({BLOCKS} blocks, largest FSDP unit {largest_unit:,}), AdamW, micro-batch {MICRO_BATCH}, gloo on CPU"
+        f"Peak tensor bytes per rank (LiveBytes: every allocation), AdamW, micro-batch {MICRO_BATCH}, gloo on CPU. "
+        f"stack: {num_params:,} parameters ({BLOCKS} blocks, largest FSDP unit {largest_unit:,}), the model the "
+        f"planner was written against; torch-transformer: {transformer[0]:,} parameters (nn.TransformerEncoder, "
+        f"{TRANSFORMER_LAYERS} layers of {transformer[1]:,}), out of sample. The planner counts model state only "
+        "(parameters, gradients, optimizer state, DDP buckets, FSDP's gathered units, autocast copies): activations "
+        "are excluded, and kept small here"
     )
     print(machine_line())
     table_rows: list[list[Any]] = []
-    errors: dict[str, float] = {}
-    peaks: dict[tuple[int, int, str, str], int] = {}
+    errors: dict[tuple[str, str], dict[str, float]] = {}  # (model, precision) -> row name -> error
+    peaks: dict[tuple[int, int, str, str], int] = {}  # the stack's fp32 rows
     for world in worlds:
         per_rank = measured[world]
         for index, config in enumerate(per_rank[0]):
             if config["mode"] == "full-init":
                 continue
             peak = max(r[index]["peak"] for r in per_rank)
-            key = (world, config["k"], config["strategy"], config["mode"])
-            peaks[key] = peak
+            model, precision = config["model"], config["precision"]
+            if model == "stack":
+                peaks[(world, config["k"], config["strategy"], config["mode"])] = peak
+            params, unit, root, _ = shapes[model]
             plan = loop_memory(
-                num_params,
+                params,
                 config["strategy"],
                 world,
-                largest_unit_params=largest_unit,
-                root_unit_params=root_unit,
+                largest_unit_params=unit,
+                root_unit_params=root,
                 optimizer_bytes_per_param=8,
                 accumulation_steps=config["k"],
                 grad_accumulation=config["mode"],
+                precision=precision,
             )
             error = (peak - plan.total) / plan.total
-            name = f"{config['strategy']} W={world} k={config['k']} {config['mode']}"
-            errors[name] = error
+            name = f"{model} {precision} {config['strategy']} W={world} k={config['k']} {config['mode']}"
+            errors.setdefault((model, precision), {})[name] = error
             parts = ", ".join(f"{part} {value / 1e6:.2f}" for part, value in plan.parts.items())
             table_rows.append(
                 [
+                    model,
+                    precision,
                     config["strategy"],
                     world,
                     config["k"],
@@ -292,9 +346,8 @@ def main() -> None:
                     parts,
                 ]
             )
-    print(
-        table(["strategy", "W", "k", "grads", "measured MB", "planned MB", "error", "planned parts (MB)"], table_rows)
-    )
+    columns = ["model", "dtype", "strategy", "W", "k", "grads", "measured MB", "planned MB", "error"]
+    print(table([*columns, "planned parts (MB)"], table_rows))
 
     top = max(worlds)
     full_params = 4 * num_params
@@ -302,7 +355,7 @@ def main() -> None:
         run["init_peak"]
         for rank in measured[top]
         for run in rank
-        if (run["strategy"], run["k"], run["mode"]) == ("zero3", 1, "unsharded")
+        if (run["model"], run["strategy"], run["k"], run["mode"]) == ("stack", "zero3", 1, "unsharded")
     )
     old_init = max(r[-1]["init_peak"] for r in measured[top])
     expected_fraction = 1 / top + largest_module / num_params
@@ -350,9 +403,8 @@ def main() -> None:
     print(table(["W", "k", "auto strategy", "grads", "measured MB", "budget MB", "fits"], auto_rows))
 
     reference = single_process_losses(4, top)
-    runs = [
-        next(r for r in rank if (r["strategy"], r["k"], r["mode"]) == ("zero3", 4, "sharded")) for rank in measured[top]
-    ]
+    wanted = ("stack", "zero3", 4, "sharded")
+    runs = [next(r for r in rank if (r["model"], r["strategy"], r["k"], r["mode"]) == wanted) for rank in measured[top]]
     totals = runs[0]["losses"]  # the global sum, the same on every rank
     loss_ok = all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(totals, reference, strict=True))
     print(
@@ -360,12 +412,22 @@ def main() -> None:
         + ("equal" if loss_ok else "DIFFERENT")
     )
     load = measure_pretrained_load(top if not args.quick else 2, args.quick)
-    worst = max(errors, key=lambda name: abs(errors[name]))
+    worst = {group: max(rows_of, key=lambda name: abs(rows_of[name])) for group, rows_of in errors.items()}
+    in_sample, out_of_sample, bf16 = (
+        ("stack", "fp32"),
+        ("torch-transformer", "fp32"),
+        ("torch-transformer", "bf16"),
+    )
     print(f"wall time {time.perf_counter() - started:.1f} s")
     print_headline(
         {
-            "worst_planner_error": round(abs(errors[worst]), 4),
-            "worst_planner_error_row": worst,
+            "planner_counts": "model state; activations excluded",
+            "worst_planner_error": round(abs(errors[in_sample][worst[in_sample]]), 4),
+            "worst_planner_error_row": worst[in_sample],
+            "worst_planner_error_out_of_sample": round(abs(errors[out_of_sample][worst[out_of_sample]]), 4),
+            "worst_planner_error_out_of_sample_row": worst[out_of_sample],
+            "worst_planner_error_bf16": round(abs(errors[bf16][worst[bf16]]), 4),
+            "worst_planner_error_bf16_row": worst[bf16],
             "init_peak_fraction": round(zero3_init / full_params, 4),
             "init_peak_fraction_expected": round(expected_fraction, 4),
             "init_peak_fraction_full_build": round(old_init / full_params, 4),

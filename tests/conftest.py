@@ -47,6 +47,17 @@ def no_ray_connection() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def ray_head_env() -> Iterator[dict[str, str]]:
+    """The environment of a CLI run on a running `ray start` head shared by the session (RAY_ADDRESS): a run that
+    checks and stops before training (a dry run, a refused start) then connects in a second instead of starting
+    a local instance of its own. The local start is tested by the runs that train."""
+    from ray_helpers import ray_head
+
+    with ray_head(num_cpus=8) as running:
+        yield {"RAY_ADDRESS": running["address"], "RAY_AUTH_MODE": "disabled"}
+
+
+@pytest.fixture(scope="session")
 def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference the elastic and fault tests compare with: 3 workers on 3 fake nodes, no event, 100 steps."""
     from ray_helpers import demo, losses

@@ -123,7 +123,8 @@ def ray_head(
     *, dashboard: bool = False, num_cpus: int = 4, env: dict[str, str] | None = None
 ) -> Iterator[dict[str, Any]]:
     """A Ray head of its own (`ray start --head --block` in a subprocess, dashboard on 127.0.0.1 only), stopped
-    by ending that subprocess's process group (never `ray stop`, which would stop every Ray instance here).
+    by ending that subprocess's process group, the head's processes only (never `ray stop`, which would stop every
+    Ray instance here).
     Yields {"address": "127.0.0.1:<gcs port>", "dashboard": "http://127.0.0.1:<port>" or None, "env": ...}."""
     import os
     import signal
@@ -170,11 +171,14 @@ def ray_head(
             wait_for(f"the GCS at 127.0.0.1:{gcs_port}", gcs_up, 90)
         yield {"address": f"127.0.0.1:{gcs_port}", "dashboard": url, "env": env}
     finally:
+        # SIGTERM first (the head's processes flush their logs), then SIGKILL to what is left: on SIGTERM alone the
+        # GCS and raylet take their graceful-shutdown timeouts, ~30-40 s here, for a cluster nothing else uses
         os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            head.wait(timeout=3)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=60)
 
 
 def socket_probe(port: int) -> None:

@@ -57,6 +57,10 @@ def test_memory_quick() -> None:
     """Real allocations (LiveBytes) against the planner at W = 2, both accumulation modes; meta init's peak."""
     headline = run_benchmark("memory.py")
     assert headline["worst_planner_error"] <= 0.10, headline
+    # Out of sample (torch's nn.TransformerEncoder): measured 0.076 in fp32 and 0.103 in bf16 (zero2, k = 4)
+    assert headline["worst_planner_error_out_of_sample"] <= 0.10, headline
+    assert headline["worst_planner_error_bf16"] <= 0.15, headline
+    assert headline["planner_counts"] == "model state; activations excluded"
     assert headline["loss_matches_w1"] is True and headline["auto_fits"] is True
     # Built on meta and sharded: about half the parameters per rank at W = 2, not the whole model first.
     assert headline["init_peak_fraction"] < 0.8 < headline["init_peak_fraction_full_build"], headline

@@ -77,7 +77,7 @@ def test_the_same_exception_at_the_same_step_is_not_retried_again(ray_local: Non
     assert len(starts) == 2, f"{len(starts)} attempts of the worker group; max_failures=10 would allow 11"
 
 
-def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path) -> None:
+def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path, ray_head_env: dict[str, str]) -> None:
     (tmp_path / "entry.py").write_text(
         "from raytrain.toy import mlp, regression_dataset, squared_error, sgd\n"
         "def model():\n    return mlp(16, 32)\n"
@@ -96,7 +96,7 @@ def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path) -> None:
         text=True,
         timeout=300,
         cwd=REPO,
-        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        env={**os.environ, **ray_head_env},
     )
     assert completed.returncode == 2, completed.stderr[-2000:]
     errors = [line for line in completed.stderr.splitlines() if line.startswith("raytrain: error:")]

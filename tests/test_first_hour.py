@@ -4,7 +4,7 @@
   and says so; an instance the user started too small is refused in seconds, naming what is asked and what is
   there (it waited forever before);
 - a project of two files (`examples/char_project`: `train.py` imports its neighbour `charmodel.py`) trains with
-  `raytrain fit` (under `ray job submit --working-dir`: `test_job_submit.py`);
+  `raytrain fit` (under `ray job submit --working-dir`: `test_security.py`);
 - `--steps` without epochs trains the steps asked for, across epochs, and the run length is said before training;
 - Ctrl-C while the worker group cannot start (a cluster without room) stops the run at once with the resume line.
 """
@@ -42,17 +42,17 @@ def test_a_two_file_project_trains_the_steps_asked_for_with_more_workers_than_co
     shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns("data", "raytrain_runs"))
     (tmp_path / "data").mkdir()
     shutil.copy(REPO / "examples" / "data" / "shakespeare_sonnets.txt", tmp_path / "data")
-    command = [*_cli(), "fit", str(project / "job.toml"), "--workers", "3", "--steps", "30"]
+    command = [*_cli(), "fit", str(project / "job.toml"), "--workers", "3", "--steps", "15"]
     command += ["--storage", str(tmp_path / "runs")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     cores, said = os.cpu_count(), done.stdout + done.stderr
     assert f"started a local Ray instance with {max(cores or 1, 4)} logical CPUs on {cores} cores" in said
     # 820 windows of the sonnets at global batch 64: 13 steps per epoch (the last one partial)
-    assert "run length: max_steps=30 (2.31 epochs of 13 steps)" in said
+    assert "run length: max_steps=15 (1.15 epochs of 13 steps)" in said
     metrics = read_jsonl(tmp_path / "runs" / "char-gru" / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 31))  # past the end of epoch 0: the steps asked for
-    assert {m["world_size"] for m in metrics} == {3} and metrics[-1]["epoch"] == 2
+    assert [m["step"] for m in metrics] == list(range(1, 16))  # past the end of epoch 0: the steps asked for
+    assert {m["world_size"] for m in metrics} == {3} and metrics[-1]["epoch"] == 1
 
 
 def test_an_instance_too_small_for_min_workers_is_refused_in_seconds(tmp_path: Path) -> None:

@@ -1,18 +1,20 @@
-"""README's Python API snippet runs as written, on a machine where another Ray instance is running, and never joins
-that instance: `fit()` starts a local instance of its own, sized for the run (a bare `ray.init()` or `ray.data` call
-would join the most recently started cluster)."""
+"""README's Python API snippet runs as written, on a machine where another raytrain run and another Ray instance are
+running, and never joins either: `fit()` starts a local instance of its own, sized for the run (a bare `ray.init()`
+or `ray.data` call would join the most recently started cluster), and the other run trains on undisturbed."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from ray_helpers import ray_head
+from ray_helpers import ray_head, read_jsonl, wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.faults]
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -35,16 +37,54 @@ def jobs_seen_by(address: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def test_readme_python_snippet_runs_beside_another_ray_instance(tmp_path: Path) -> None:
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell without job control inherits it ignored
+
+
+def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_path: Path) -> None:
+    """Three things on one machine at once: a `raytrain fit` run training on its own local instance (the oldest),
+    a plain `ray start` head (the newest cluster: a bare `ray.init()` would join it), and README's snippet, whose
+    `fit()` starts an instance of its own. The snippet finishes and never joins the head; the first run trains on
+    through it all without a restart. Ray Train's PlacementGroupCleaner asks Ray's state API whether its run's
+    controller is alive; unpointed, the state API answers for the most recently started instance, which does not
+    know the first run's controller, and the cleaner would remove that run's placement group. raytrain points
+    each instance's state API at its own dashboard (`raytrain.trainer.own_state_api`)."""
     snippet = python_snippet()
     assert "import ray" not in snippet and "connect_ray" not in snippet  # fit() starts Ray itself
-    with ray_head() as other:  # the newest cluster on this machine: a bare ray.init() would join it
-        env = {k: v for k, v in other["env"].items() if k != "RAY_ADDRESS"}
-        done = subprocess.run(
-            [sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
-        )
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        loss, val_loss = (float(v) for v in done.stdout.strip().splitlines()[-1].split())
-        assert 0 < loss < 1 and 0 < val_loss < 1.5
-        assert (tmp_path / "runs" / "mlp" / "metrics.jsonl").exists()
-        assert jobs_seen_by(other["address"]) == 1, "the snippet's driver joined the other Ray instance"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    command = [sys.executable, "-m", "raytrain.cli", "fit", "examples/fit_mlp.toml", "--storage", str(tmp_path)]
+    command += ["--run-name", "first", "--workers", "1", "--epochs", "10000", "--steps", "1000000"]
+    first = subprocess.Popen(
+        command,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
+    )
+    metrics = tmp_path / "first" / "metrics.jsonl"
+    try:
+        wait_for("the first run to train", metrics.exists, 300, interval_s=0.5)
+        with ray_head() as other:
+            head_env = {k: v for k, v in other["env"].items() if k != "RAY_ADDRESS"}
+            done = subprocess.run(
+                [sys.executable, "-c", snippet], cwd=tmp_path, env=head_env, capture_output=True, text=True, timeout=600
+            )
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+            loss, val_loss = (float(v) for v in done.stdout.strip().splitlines()[-1].split())
+            assert 0 < loss < 1 and 0 < val_loss < 1.5
+            assert (tmp_path / "runs" / "mlp" / "metrics.jsonl").exists()
+            assert jobs_seen_by(other["address"]) == 1, "the snippet's driver joined the other Ray instance"
+        assert first.poll() is None, f"the first run ended while the snippet ran: {first.stderr.read()[-3000:]}"
+        trained_through = len(read_jsonl(metrics))
+        first.send_signal(signal.SIGINT)
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, stderr[-3000:]
+    starts = read_jsonl(tmp_path / "first" / "events.jsonl")
+    assert len(starts) == 1, f"the first run restarted {len(starts) - 1} time(s): {stderr[-2000:]}"
+    steps = [m["step"] for m in read_jsonl(metrics)]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= trained_through

@@ -24,26 +24,22 @@ pytestmark = pytest.mark.ray
 ROWS = 128
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
 def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
-    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, deterministic: bool
+    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run at B=16 stopped after a checkpoint, resumed at B=32 to the end of the epoch: every sample exactly
     once, the peak LR rescaled by the linear rule from the first start's batch (base_batch was not given), and the
     cosine schedule continued where it was: the factor at the resume step is the one the first start had there (it
     jumped before: the run's length in steps changed), and the schedule ends with the run."""
-    options = {"workers": 2, "rows": ROWS, "epochs": 1, "audit": True, "deterministic": deterministic}
-    if deterministic:  # planned for the whole epoch (8 steps at B=16), stopped by a crash in step 5 (no retries)
-        lr = LRConfig(base_lr=0.1, rule="linear", schedule="cosine", min_lr_ratio=0.1)
-        monkeypatch.setenv("RAYTRAIN_FAULTS", "0:5:forward")
-        with pytest.raises(Exception, match=r"(?i)fail"):
-            make_trainer(tmp_path, "grow", global_batch=16, every=2, lr=lr, **options).fit()  # type: ignore[arg-type]
-        monkeypatch.delenv("RAYTRAIN_FAULTS")
-    else:  # streaming mode does not know the run's length (a decaying schedule needs max_steps): 3 steps, constant
-        lr = LRConfig(base_lr=0.1, rule="linear")
-        make_trainer(tmp_path, "grow", global_batch=16, steps=3, every=3, lr=lr, **options).fit()  # type: ignore[arg-type]
+    options = {"workers": 2, "rows": ROWS, "epochs": 1, "audit": True}
+    # planned for the whole epoch (8 steps at B=16), stopped by a crash in step 5 (no retries)
+    lr = LRConfig(base_lr=0.1, rule="linear", schedule="cosine", min_lr_ratio=0.1)
+    monkeypatch.setenv("RAYTRAIN_FAULTS", "0:5:forward")
+    with pytest.raises(Exception, match=r"(?i)fail"):
+        make_trainer(tmp_path, "grow", global_batch=16, every=2, lr=lr, **options).fit()  # type: ignore[arg-type]
+    monkeypatch.delenv("RAYTRAIN_FAULTS")
     result = make_trainer(tmp_path, "grow", global_batch=32, lr=lr, **options).fit()  # type: ignore[arg-type]
-    resumed = read_jsonl(result.events_path)[-1]["step"]  # 2 or 4 (a crash may beat the last commit), or 3
+    resumed = read_jsonl(result.events_path)[-1]["step"]  # 2 or 4 (a crash may beat the last commit)
     metrics = list({m["step"]: m for m in read_jsonl(result.metrics_path)}.values())  # the last of a step retrained
     left = ROWS - 16 * resumed
     sizes = [16] * resumed + [32] * (left // 32) + ([left % 32] if left % 32 else [])
@@ -51,30 +47,42 @@ def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
     ids = ids_by_epoch(result.samples_path or "")[0]
     assert sorted(ids) == list(range(ROWS)), "samples skipped or repeated across the resume"
     peaks = [0.1] * resumed + [0.2] * (len(sizes) - resumed)  # 0.1 x 32/16
-    if deterministic:  # schedule steps: x = s before the resume, then the rest of the 8 spread over the steps left
-        end = len(sizes)
-        x = list(range(resumed)) + [
-            resumed + (s - resumed) * (8 - resumed) / (end - resumed) for s in range(resumed, end)
-        ]
-        factors = [lr_factor(p, warmup_steps=0, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for p in x]
-        assert [m["lr"] for m in metrics] == pytest.approx([p * f for p, f in zip(peaks, factors, strict=True)])
-        log = (Path(result.run_dir) / "raytrain.log").read_text()
-        assert (
-            f"the run now ends at step {end} (was 8): the LR schedule continues from schedule step {resumed} of 8"
-        ) in log
-    else:
-        assert [m["lr"] for m in metrics] == pytest.approx(peaks)
+    # schedule steps: x = s before the resume, then the rest of the 8 spread over the steps left
+    end = len(sizes)
+    x = list(range(resumed)) + [resumed + (s - resumed) * (8 - resumed) / (end - resumed) for s in range(resumed, end)]
+    factors = [lr_factor(p, warmup_steps=0, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for p in x]
+    assert [m["lr"] for m in metrics] == pytest.approx([p * f for p, f in zip(peaks, factors, strict=True)])
+    log = (Path(result.run_dir) / "raytrain.log").read_text()
+    assert (
+        f"the run now ends at step {end} (was 8): the LR schedule continues from schedule step {resumed} of 8"
+    ) in log
 
 
-def test_streaming_run_extended_with_more_epochs_trains_every_epoch(ray_local: None, tmp_path: Path) -> None:
-    options = {"workers": 2, "rows": 60, "audit": True, "deterministic": False, "every": 2}
-    make_trainer(tmp_path, "extend", epochs=1, **options).fit()  # type: ignore[arg-type]
-    result = make_trainer(tmp_path, "extend", epochs=3, **options).fit()  # type: ignore[arg-type]
+def test_streaming_run_resumed_mid_epoch_at_a_larger_batch_then_extended_trains_every_epoch(
+    ray_local: None, tmp_path: Path
+) -> None:
+    """Streaming mode (no fixed order, the run's length unknown, so a constant LR after the linear rule): 3 steps
+    at B=16 then stopped mid-epoch; resumed at B=32 to the end of its one epoch (a finished run); then extended to
+    3 epochs. Every sample exactly once in every epoch, each step's batch as configured at its start (the epoch's
+    last step holds the rest), and the peak LR rescaled from the first start's batch."""
+    options = {"workers": 2, "rows": ROWS, "audit": True, "deterministic": False, "every": 3}
+    lr = LRConfig(base_lr=0.1, rule="linear")
+    make_trainer(tmp_path, "grow", global_batch=16, steps=3, epochs=1, lr=lr, **options).fit()  # type: ignore[arg-type]
+    make_trainer(tmp_path, "grow", global_batch=32, epochs=1, lr=lr, **options).fit()  # type: ignore[arg-type]
+    result = make_trainer(tmp_path, "grow", global_batch=32, epochs=3, lr=lr, **options).fit()  # type: ignore[arg-type]
+    left, full = ROWS - 3 * 16, ROWS // 32  # the rest of epoch 0 after the stop; full steps of an epoch at B=32
+    rest_of_0 = [32] * (left // 32) + ([left % 32] if left % 32 else [])
+    epoch = [32] * full + ([ROWS % 32] if ROWS % 32 else [])
+    starts = read_jsonl(result.events_path)
+    assert [s["step"] for s in starts] == [0, 3, 3 + len(rest_of_0)]
+    metrics = list({m["step"]: m for m in read_jsonl(result.metrics_path)}.values())
+    sizes = [16] * 3 + rest_of_0 + epoch * 2  # each epoch's last step holds the rest
+    assert [m["global_batch_size"] for m in metrics] == sizes
+    assert [m["lr"] for m in metrics] == pytest.approx([0.1] * 3 + [0.2] * (len(sizes) - 3))  # 0.1 x 32/16
     by_epoch = ids_by_epoch(result.samples_path or "")
     assert sorted(by_epoch) == [0, 1, 2]
     for epoch, ids in by_epoch.items():
-        assert sorted(ids) == list(range(60)), f"epoch {epoch}: duplicates or missing ids"
-    assert read_jsonl(result.metrics_path)[-1]["step"] == 9  # 3 epochs x 3 steps of 20
+        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: duplicates or missing ids"
 
 
 def test_adamw_groups_zero1_cosine_and_clipping_resume_exactly(ray_local: None, tmp_path: Path) -> None:
@@ -177,31 +185,32 @@ def test_a_tracker_without_its_methods_is_rejected_on_the_driver(tmp_path: Path)
 
 def test_damaged_checkpoints_resume_from_the_newest_intact_one(ray_local: None, tmp_path: Path) -> None:
     """Every kind of damage at once, newest first: the latest checkpoint's directory is gone, the one before lost
-    its state file, the one before that has a shard cut short; the run resumes from the next, step 2, and trains
-    on as a run that never stopped."""
+    its state file, the one before that has a shard cut short; the run resumes from the next, step 4, and trains
+    on as it did before the damage."""
     import shutil
 
     from raytrain.checkpoint_files import STATE_FILE, checkpoint_dirs
 
-    reference = read_jsonl(make_trainer(tmp_path, "whole", workers=2, steps=10).fit().metrics_path)
-    make_trainer(tmp_path, "cut", workers=2, steps=8, every=2, keep=4).fit()
+    # the run that never stopped is the reference: its newest three checkpoints are then damaged
+    options = {"workers": 2, "epochs": 3, "every": 2, "keep": 4}  # max_steps ends both starts
+    reference = read_jsonl(make_trainer(tmp_path, "cut", steps=10, **options).fit().metrics_path)  # type: ignore[arg-type]
     found = checkpoint_dirs(str(tmp_path / "cut"))
-    assert [step for step, _ in found] == [2, 4, 6, 8]
+    assert [step for step, _ in found] == [4, 6, 8, 10]
     paths = [Path(path) for _, path in found]
     shutil.rmtree(paths[3])  # the latest committed one: lost whole
     (paths[2] / STATE_FILE).unlink()  # its state file lost
     shard = paths[1] / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])  # a full disk or an upload cut short
-    result = make_trainer(tmp_path, "cut", workers=2, steps=10, every=2, keep=4).fit()
+    result = make_trainer(tmp_path, "cut", steps=12, **options).fit()  # type: ignore[arg-type]  # constant LR
     log = (tmp_path / "cut" / "raytrain.log").read_text()
     assert f"WARNING: checkpoint {paths[3].name} is damaged (the directory is missing)" in log
     assert f"WARNING: checkpoint {paths[2].name} is damaged ({STATE_FILE} is missing)" in log
     assert f"WARNING: checkpoint {paths[1].name} is damaged (__1_0.distcp has 100 of its" in log
     starts = read_jsonl(result.events_path)
-    assert starts[-1]["step"] == 2  # the newest intact checkpoint
+    assert starts[-1]["step"] == 4  # the newest intact checkpoint
     metrics = read_jsonl(result.metrics_path)
-    assert [m["step"] for m in metrics] == list(range(1, 11))
-    for a, b in zip(reference[2:], metrics[2:], strict=True):
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    for a, b in zip(reference[4:], metrics[4:10], strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
 
 

@@ -71,9 +71,14 @@ def s3(s3_port: int) -> Any:
     return _client(s3_port)
 
 
-def test_parquet_on_s3_trains_like_local_files(ray_local: None, tmp_path: Path, s3: Any) -> None:
-    """The same data uploaded to the S3 server: the index matches the local one, and 2 workers reading from S3
-    follow the loss curve of 1 worker reading the local files."""
+def test_parquet_and_checkpoints_on_s3_resume_there_at_another_world_size(
+    ray_local: None, tmp_path: Path, s3: Any
+) -> None:
+    """The training data uploaded to the S3 server (its index matches the local one) and the checkpoints written
+    there: 2 workers train 4 steps reading s3://, then the same run restarted with 1 worker and 8 steps resumes
+    from the S3 checkpoint (resharded by DCP). Both follow the loss curve of 1 worker trained 8 steps on the local
+    files and local storage; every sample of the epoch once across the restart; the run's own files stay in the
+    local log directory, nothing of them in the bucket."""
     local = tmp_path / "local"
     for path in write_regression_parquet(local, 90, files=3, row_group=8):
         with open(path, "rb") as f, s3.open_output_stream(f"train-data/toy/{Path(path).name}") as out:
@@ -89,18 +94,39 @@ def test_parquet_on_s3_trains_like_local_files(ray_local: None, tmp_path: Path, 
     with pytest.raises(ConfigError, match="does not exist"):
         ParquetSource("s3://train-data/missing", filesystem=s3).resolve()
 
-    def run(name: str, workers: int, source: ParquetSource) -> list[dict[str, Any]]:
-        trainer = make_trainer(tmp_path, name, workers=workers, steps=6, audit=True)
+    def run(name: str, workers: int, steps: int, source: ParquetSource, storage: str | None) -> list[dict[str, Any]]:
+        trainer = make_trainer(
+            tmp_path,
+            name,
+            workers=workers,
+            steps=steps,
+            every=2,
+            audit=True,
+            storage=storage,
+            storage_filesystem=s3 if storage else None,
+        )
         trainer.datasets["train"] = source
         return read_jsonl(trainer.fit().metrics_path)
 
-    one = run("local", 1, ParquetSource(local, shuffle_window=2))
-    two = run("s3", 2, remote)
-    assert [m["global_batch_size"] for m in two] == [20, 20, 20, 20, 10, 20]
-    for a, b in zip(one, two, strict=True):
+    reference = run("local", 1, 8, ParquetSource(local, shuffle_window=2), None)
+    first = run("remote", 2, 4, remote, "s3://ckpt/runs")
+    assert [m["step"] for m in first] == [1, 2, 3, 4]
+    committed = latest_committed("ckpt/runs/remote", s3)
+    assert committed is not None and committed[0] == 4
+    assert verify(committed[1], s3) is None
+    resumed = run("remote", 1, 8, remote, "s3://ckpt/runs")
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert [m["world_size"] for m in resumed] == [2] * 4 + [1] * 4
+    assert [m["global_batch_size"] for m in resumed] == [20, 20, 20, 20, 10, 20, 20, 20]
+    for a, b in zip(reference, resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
-    audit = read_jsonl(tmp_path / "s3" / "samples.jsonl")
+    audit = read_jsonl(tmp_path / "remote" / "samples.jsonl")
     assert sorted(i for r in audit if r["epoch"] == 0 for i in r["ids"]) == list(range(90))
+    import pyarrow.fs as pafs
+
+    names = {info.base_name for info in s3.get_file_info(pafs.FileSelector("ckpt/runs/remote"))}
+    assert not names & {"metrics.jsonl", "events.jsonl", "raytrain.log"}
+    assert (tmp_path / "remote" / "metrics.jsonl").exists()
 
 
 def _upload(s3: Any, local: Path, remote: str) -> None:
@@ -202,13 +228,15 @@ def test_storage_uri_options_and_filesystem_checks() -> None:
         run_storage(CheckpointConfig(storage_path="nosuch://x"))
 
 
-def test_fit_dry_run_checks_an_s3_storage_uri_with_its_options(tmp_path: Path, s3_port: int) -> None:
+def test_fit_dry_run_checks_an_s3_storage_uri_with_its_options(
+    tmp_path: Path, s3_port: int, ray_head_env: dict[str, str]
+) -> None:
     """`raytrain fit --storage s3://...?endpoint_override=...` as a user types it (credentials in the environment):
     the bucket is probed and the run's files go to --log-dir; a bucket that does not exist is refused by name."""
     import os
     import sys
 
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+    env = {**os.environ, **ray_head_env, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     options = f"?endpoint_override=127.0.0.1:{s3_port}&scheme=http&region=us-east-1"
     command = [sys.executable, "-m", "raytrain.cli", "fit", "examples/fit_mlp.toml", "--dry-run", "--log-dir"]
     ok = subprocess.run(
@@ -223,41 +251,6 @@ def test_fit_dry_run_checks_an_s3_storage_uri_with_its_options(tmp_path: Path, s
     )
     assert missing.returncode == 2
     assert "storage_path 's3://no-such-bucket/cli/fit-mlp' is not writable" in missing.stderr
-
-
-def test_a_run_checkpointed_on_s3_resumes_there_at_another_world_size(ray_local: None, tmp_path: Path, s3: Any) -> None:
-    """2 workers train 4 steps with checkpoints on s3://; the same run restarted with 1 worker and 8 steps resumes
-    from the S3 checkpoint (resharded by DCP) and follows the loss curve of 1 worker trained 8 steps on local
-    storage; the run's own files stay in the local log directory, nothing of them in the bucket."""
-
-    def run(name: str, workers: int, steps: int, storage: str | None) -> list[dict[str, Any]]:
-        trainer = make_trainer(
-            tmp_path,
-            name,
-            workers=workers,
-            steps=steps,
-            every=2,
-            storage=storage,
-            storage_filesystem=s3 if storage else None,
-        )
-        return read_jsonl(trainer.fit().metrics_path)
-
-    reference = run("local", 1, 8, None)
-    first = run("remote", 2, 4, "s3://ckpt/runs")
-    assert [m["step"] for m in first] == [1, 2, 3, 4]
-    committed = latest_committed("ckpt/runs/remote", s3)
-    assert committed is not None and committed[0] == 4
-    assert verify(committed[1], s3) is None
-    resumed = run("remote", 1, 8, "s3://ckpt/runs")[4:]
-    assert [m["step"] for m in resumed] == [5, 6, 7, 8]
-    assert [m["world_size"] for m in resumed] == [1, 1, 1, 1]
-    for a, b in zip(reference[4:], resumed, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
-    import pyarrow.fs as pafs
-
-    names = {info.base_name for info in s3.get_file_info(pafs.FileSelector("ckpt/runs/remote"))}
-    assert not names & {"metrics.jsonl", "events.jsonl", "raytrain.log"}
-    assert (tmp_path / "remote" / "metrics.jsonl").exists()
 
 
 def test_pretrained_weights_are_read_from_s3_by_range(s3: Any, s3_port: int, monkeypatch: pytest.MonkeyPatch) -> None:

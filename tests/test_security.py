@@ -1,6 +1,7 @@
-"""Security: a job submitted to a token-authenticated cluster runs and one without the token is refused; no secret
-lands in the run's files; the dashboard of a Ray instance raytrain starts listens on 127.0.0.1 only. (That no
-checkpoint file is unpickled as arbitrary code is in tests/test_checkpoint_files.py.)"""
+"""Security and `ray job submit`: a two-file project submitted to a token-authenticated cluster trains and a
+submission without the token is refused; no secret lands in the run's files; the dashboard of a Ray instance
+raytrain starts listens on 127.0.0.1 only. (That no checkpoint file is unpickled as arbitrary code is in
+tests/test_checkpoint_files.py.)"""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,44 +22,80 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def submit(dashboard: str, env: dict[str, str], runs: Path) -> subprocess.CompletedProcess[str]:
-    command = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(REPO), "--no-wait", "--"]
-    command += ["raytrain", "fit", "examples/fit_mlp.toml", "--storage", str(runs), "--steps", "4", "--workers", "1"]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+def project(tmp_path: Path) -> Path:
+    """What a user's checkout holds: a project of two files (`train.py` imports its neighbour `charmodel.py`) and
+    its text, shipped by `ray job submit --working-dir`."""
+    working_dir = tmp_path / "project"
+    shutil.copytree(
+        REPO / "examples" / "char_project", working_dir / "char_project", ignore=shutil.ignore_patterns("data")
+    )
+    shutil.copytree(REPO / "examples" / "data", working_dir / "data")
+    return working_dir
 
 
-def test_token_authentication_and_no_secret_in_the_run(tmp_path: Path) -> None:
+def submit(dashboard: str, env: dict[str, str], working_dir: Path, runs: Path) -> subprocess.CompletedProcess[str]:
+    command = ["ray", "job", "submit", "--address", dashboard, "--working-dir", str(working_dir), "--no-wait", "--"]
+    command += ["raytrain", "fit", "char_project/job.toml", "--storage", str(runs), "--steps", "8", "--workers", "2"]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, cwd=working_dir.parent)
+
+
+def test_ray_job_submit_runs_a_two_file_project_on_a_token_cluster_and_no_secret_lands_in_the_run(
+    tmp_path: Path,
+) -> None:
+    """`ray job submit --working-dir DIR -- raytrain fit char_project/job.toml` against a token-authenticated
+    `ray start --head` (`ray_helpers.ray_head`, stopped without `ray stop`): refused without the token and with a
+    wrong one; with it, the two-file project trains (it failed with "No module named 'charmodel'" before), the
+    end-of-run summary reaches the job's logs, and neither the token nor a secret in the job's environment lands
+    in the run's files."""
     token = secrets.token_hex(16)
     secret = "AKIA" + secrets.token_hex(8).upper()  # what an AWS key looks like, set in the job's environment
     home = tmp_path / "home"  # no ~/.ray/auth_token here: only what the test gives counts
     home.mkdir()
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(home)}
+    working_dir, runs = project(tmp_path), tmp_path / "runs"
     with ray_head(dashboard=True, env=auth) as head:
-        runs = tmp_path / "runs"
+        dashboard = head["dashboard"]
         without = {k: v for k, v in head["env"].items() if k != "RAY_AUTH_TOKEN"}
-        refused = submit(head["dashboard"], without, runs)
+        refused = submit(dashboard, without, working_dir, runs)
         assert refused.returncode != 0
         assert "Token authentication is enabled but Ray couldn't find an authentication token" in refused.stderr
-        wrong = submit(head["dashboard"], {**head["env"], "RAY_AUTH_TOKEN": secrets.token_hex(16)}, runs)
+        wrong = submit(dashboard, {**head["env"], "RAY_AUTH_TOKEN": secrets.token_hex(16)}, working_dir, runs)
         assert wrong.returncode != 0 and "AuthenticationError" in wrong.stderr, wrong.stderr[-1000:]
         with_token = {**head["env"], "AWS_SECRET_ACCESS_KEY": secret}
-        job = wait_for(
-            "the submission with the token", lambda: _accepted(submit(head["dashboard"], with_token, runs)), 120, 5
-        )
+        attempts: list[str] = []
 
-        def finished() -> str | None:
-            status = subprocess.run(
-                ["ray", "job", "status", "--address", head["dashboard"], job],
+        def accepted() -> str | None:  # the dashboard answers before its job agent is ready: submit again
+            done = submit(dashboard, with_token, working_dir, runs)
+            attempts.append(done.stdout[-1500:] + done.stderr[-1500:])
+            return _accepted(done)
+
+        try:
+            job = wait_for("the submission with the token to be accepted", accepted, 240, 5)
+        except AssertionError as err:  # say what the CLI answered
+            raise AssertionError(f"{err}; last answer:\n{attempts[-1] if attempts else '(none)'}") from None
+
+        def cli(*args: str) -> str:
+            done = subprocess.run(
+                ["ray", "job", *args, "--address", dashboard, job],
                 env=head["env"],
                 capture_output=True,
                 text=True,
                 timeout=60,
             )
-            text = (status.stdout + status.stderr).upper()
-            return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if s in text), None)
+            return done.stdout + done.stderr  # the CLI logs part of its answer to stderr
 
-        assert wait_for(f"job {job}", finished, 420, 3) == "SUCCEEDED"
-    files = [p for p in (runs / "fit-mlp").rglob("*") if p.is_file()]
+        def finished() -> str | None:
+            text = cli("status").upper()
+            return next((s for s in ("SUCCEEDED", "FAILED", "STOPPED") if f"JOB '{job.upper()}' {s}" in text), None)
+
+        state = wait_for(f"job {job} to finish", finished, 420, 3)
+        logs = cli("logs")
+        assert state == "SUCCEEDED", logs[-4000:]
+    metrics = [json.loads(line) for line in (runs / "char-gru" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert {m["global_batch_size"] for m in metrics} == {64} and {m["world_size"] for m in metrics} == {2}
+    assert "run directory" in logs and "final loss" in logs  # the end-of-run summary reached the job's logs
+    files = [p for p in (runs / "char-gru").rglob("*") if p.is_file()]
     assert any(p.name == "metrics.jsonl" for p in files)
     for path in files:
         content = path.read_bytes()

@@ -235,8 +235,9 @@ class FakeCluster:
         )
         self.worker_nodes: list[Any] = []
         self.slots = slots
-        for _ in range(nodes):
-            self.add_node()
+        for _ in range(nodes):  # started side by side (each start mostly waits), then waited for together
+            self.worker_nodes.append(self._start_node(wait=False))
+        self.cluster.wait_for_nodes(timeout=120)
 
     @property
     def address(self) -> str:
@@ -245,9 +246,12 @@ class FakeCluster:
 
     def add_node(self) -> str:
         """Start one more fake node with its worker slots (and as many logical CPUs)."""
-        node = self.cluster.add_node(num_cpus=self.slots, resources={WORKER_SLOT: self.slots})
+        node = self._start_node(wait=True)
         self.worker_nodes.append(node)
         return f"added node {node.node_id[:8]}"
+
+    def _start_node(self, wait: bool) -> Any:
+        return self.cluster.add_node(num_cpus=self.slots, resources={WORKER_SLOT: self.slots}, wait=wait)
 
     def remove_node(self, node: Any = None) -> str:
         """Kill `node` (default: the most recently added fake node), as a spot reclaim would: no grace period."""
