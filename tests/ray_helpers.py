@@ -181,6 +181,29 @@ def ray_head(
         head.wait(timeout=60)
 
 
+def sigint_as_in_a_terminal() -> None:
+    """`preexec_fn` for a child that a test will Ctrl-C. A command started in the background by a shell without job
+    control (`cmd &` in a script, as a CI runner may run .ci/run) inherits SIGINT *ignored*, and Python then never
+    raises KeyboardInterrupt: the child would run to its end. Ctrl-C in a terminal reaches a process whose SIGINT
+    is at its default; give the child that."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def char_project_checkout(root: Path) -> Path:
+    """`root` made into what a user's checkout holds: the two-file project `examples/char_project` (`train.py`
+    imports its neighbour `charmodel.py`) under `root/char_project` and its text under `root/data`; returns
+    `root`."""
+    import shutil
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    ignore = shutil.ignore_patterns("data", "raytrain_runs")
+    shutil.copytree(examples / "char_project", root / "char_project", ignore=ignore)
+    shutil.copytree(examples / "data", root / "data")
+    return root
+
+
 def socket_probe(port: int) -> None:
     """Raise OSError unless something accepts a TCP connection on 127.0.0.1:`port`."""
     import socket

@@ -12,20 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from ray_helpers import read_jsonl, wait_for
+from ray_helpers import read_jsonl, sigint_as_in_a_terminal, wait_for
 
 from raytrain.checkpoint_files import latest_committed
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _sigint_as_in_a_terminal() -> None:
-    # A command started in the background by a shell without job control (`cmd &` in a script, as a CI runner may
-    # run .ci/run) inherits SIGINT *ignored*, and Python then never raises KeyboardInterrupt: the demo would run
-    # to its end. Ctrl-C in a terminal reaches a process whose SIGINT is at its default; give the child that.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path: Path) -> None:
@@ -40,7 +33,7 @@ def test_ctrl_c_names_the_checkpoint_and_the_resume_command(tmp_path: Path) -> N
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=_sigint_as_in_a_terminal,
+        preexec_fn=sigint_as_in_a_terminal,
     )
     try:
 

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 
 import pytest
-from ray_helpers import ray_head, read_jsonl, wait_for
+from ray_helpers import char_project_checkout, ray_head, read_jsonl, sigint_as_in_a_terminal, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-PROJECT = REPO / "examples" / "char_project"
 
 
 def _cli() -> list[str]:
@@ -38,10 +37,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_a_two_file_project_trains_the_steps_asked_for_with_more_workers_than_cores(tmp_path: Path) -> None:
-    project = tmp_path / "char_project"
-    shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns("data", "raytrain_runs"))
-    (tmp_path / "data").mkdir()
-    shutil.copy(REPO / "examples" / "data" / "shakespeare_sonnets.txt", tmp_path / "data")
+    project = char_project_checkout(tmp_path) / "char_project"
     command = [*_cli(), "fit", str(project / "job.toml"), "--workers", "3", "--steps", "15"]
     command += ["--storage", str(tmp_path / "runs")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_env(), cwd=tmp_path)
@@ -76,10 +72,6 @@ except ConfigError as err:
     assert "connect_ray(4)" in done.stdout
 
 
-def _sigint_as_in_a_terminal() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # see test_cli_interrupt.py
-
-
 def test_ctrl_c_stops_a_run_whose_workers_cannot_start(tmp_path: Path) -> None:
     """A cluster of 2 CPUs (no autoscaler here, but raytrain cannot know that of a cluster it joined) and a run
     asking for 3 workers: raytrain says what it waits for; Ctrl-C during the start-up retries ends it at once."""
@@ -92,7 +84,7 @@ def test_ctrl_c_stops_a_run_whose_workers_cannot_start(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=_sigint_as_in_a_terminal,
+            preexec_fn=sigint_as_in_a_terminal,
         )
         try:
             log = tmp_path / "runs" / "fit-mlp" / "raytrain.log"

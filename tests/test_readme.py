@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ray_helpers import ray_head, read_jsonl, wait_for
+from ray_helpers import ray_head, read_jsonl, sigint_as_in_a_terminal, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.faults]
 
@@ -37,10 +37,6 @@ def jobs_seen_by(address: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def _sigint_as_in_a_terminal() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a child of a shell without job control inherits it ignored
-
-
 def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_path: Path) -> None:
     """Three things on one machine at once: a `raytrain fit` run training on its own local instance (the oldest),
     a plain `ray start` head (the newest cluster: a bare `ray.init()` would join it), and README's snippet, whose
@@ -54,15 +50,11 @@ def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     command = [sys.executable, "-m", "raytrain.cli", "fit", "examples/fit_mlp.toml", "--storage", str(tmp_path)]
     command += ["--run-name", "first", "--workers", "1", "--epochs", "10000", "--steps", "1000000"]
-    first = subprocess.Popen(
-        command,
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=_sigint_as_in_a_terminal,
-    )
+    errors = tmp_path / "first.err"  # a file, not a pipe: nothing drains a pipe while the run trains for minutes
+    with open(errors, "w") as err:
+        first = subprocess.Popen(
+            command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=sigint_as_in_a_terminal
+        )
     metrics = tmp_path / "first" / "metrics.jsonl"
     try:
         wait_for("the first run to train", metrics.exists, 300, interval_s=0.5)
@@ -76,13 +68,14 @@ def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_pat
             assert 0 < loss < 1 and 0 < val_loss < 1.5
             assert (tmp_path / "runs" / "mlp" / "metrics.jsonl").exists()
             assert jobs_seen_by(other["address"]) == 1, "the snippet's driver joined the other Ray instance"
-        assert first.poll() is None, f"the first run ended while the snippet ran: {first.stderr.read()[-3000:]}"
+        assert first.poll() is None, f"the first run ended while the snippet ran: {errors.read_text()[-3000:]}"
         trained_through = len(read_jsonl(metrics))
         first.send_signal(signal.SIGINT)
-        _, stderr = first.communicate(timeout=120)
+        first.wait(timeout=120)
     finally:
         if first.poll() is None:
             first.kill()
+    stderr = errors.read_text()
     assert first.returncode == 130, stderr[-3000:]
     starts = read_jsonl(tmp_path / "first" / "events.jsonl")
     assert len(starts) == 1, f"the first run restarted {len(starts) - 1} time(s): {stderr[-2000:]}"

@@ -9,28 +9,16 @@ import json
 import os
 import re
 import secrets
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from ray_helpers import ray_head, wait_for
+from ray_helpers import char_project_checkout, ray_head, wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def project(tmp_path: Path) -> Path:
-    """What a user's checkout holds: a project of two files (`train.py` imports its neighbour `charmodel.py`) and
-    its text, shipped by `ray job submit --working-dir`."""
-    working_dir = tmp_path / "project"
-    shutil.copytree(
-        REPO / "examples" / "char_project", working_dir / "char_project", ignore=shutil.ignore_patterns("data")
-    )
-    shutil.copytree(REPO / "examples" / "data", working_dir / "data")
-    return working_dir
 
 
 def submit(dashboard: str, env: dict[str, str], working_dir: Path, runs: Path) -> subprocess.CompletedProcess[str]:
@@ -52,7 +40,7 @@ def test_ray_job_submit_runs_a_two_file_project_on_a_token_cluster_and_no_secret
     home = tmp_path / "home"  # no ~/.ray/auth_token here: only what the test gives counts
     home.mkdir()
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "HOME": str(home)}
-    working_dir, runs = project(tmp_path), tmp_path / "runs"
+    working_dir, runs = char_project_checkout(tmp_path / "project"), tmp_path / "runs"
     with ray_head(dashboard=True, env=auth) as head:
         dashboard = head["dashboard"]
         without = {k: v for k, v in head["env"].items() if k != "RAY_AUTH_TOKEN"}
