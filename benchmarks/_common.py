@@ -82,15 +82,15 @@ def start_ray(num_cpus: int = 4) -> None:
     someone else's; that dashboard answers "no such actor", the cleaner concludes the controller is dead and
     removes the live run's placement group ("A worker health check failed ... Destroying worker since its
     placement group was removed"). Seen here while other sessions ran Ray. Our instance has no dashboard, so
-    point the state API at an address where nothing listens: the cleaner then only logs "Failed to query"
-    (which it tolerates) and never removes a placement group of a live run.
+    point the state API at an address where nothing listens (`raytrain.trainer.mute_state_api`): the cleaner
+    then only logs "Failed to query" (which it tolerates) and never removes a placement group of a live run.
     """
     import ray
 
-    from raytrain.trainer import apply_ray_env_defaults
+    from raytrain.trainer import apply_ray_env_defaults, mute_state_api
 
     os.environ.pop("RAY_ADDRESS", None)
-    os.environ.setdefault("RAY_API_SERVER_ADDRESS", "http://127.0.0.1:1")  # inherited by raylet and workers
+    mute_state_api()  # inherited by raylet and workers
     apply_ray_env_defaults()
     # address="local": always a fresh instance of our own, even when another Ray cluster runs on the machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)

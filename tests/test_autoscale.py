@@ -60,7 +60,7 @@ def test_demand_grows_the_cluster_a_reclaimed_node_is_replaced_and_idle_nodes_go
     # of a node with a worker restarted it once more at 3.
     sizes = summary["world_sizes"]
     assert len(sizes) > sizes.index(3) + 1, f"the reclaim of a node with a worker did not restart the group: {sizes}"
-    # Exact batch, clean audit, and the loss curve of the fixed 3-worker run through all of it.
+    # Exact batch, clean audit, and the loss curve of the fixed one-worker run through all of it.
     check_invariants(summary, STEPS)
     assert_same_curve(summary, fixed_size_losses)
     # Scale-down: nothing raytrain started keeps a node busy once training is over.

@@ -59,7 +59,7 @@ def test_shrink_by_node_removal_grow_by_node_addition_then_a_drained_node_costs_
 # tp 2 on 2 fake nodes of 2 worker slots: removing a node removes a whole replica. pp 2 on 4 fake nodes of one
 # slot: a pipeline spans two nodes; removing one leaves 3 workers, which raytrain's WholeReplicasPolicy rounds down
 # to one whole pipeline. Either way W 4 -> 2 -> 4 (dp 2 -> 1 -> 2), the checkpoint written at dp 2 loads at dp 1
-# (DCP) and the curve equals the fixed 3-worker run's (no model parallelism) step by step.
+# (DCP) and the curve equals the fixed one-worker run's (no model parallelism) step by step.
 MODEL_PARALLEL = {"tp": (["--tp", "2", "--nodes", "2"], (2, 1)), "pp": (["--pp", "2", "--nodes", "4"], (1, 2))}
 
 

@@ -1,11 +1,14 @@
 """README's Python API snippet runs as written, on a machine where another raytrain run and another Ray instance are
 running, and never joins either: `fit()` starts a local instance of its own, sized for the run (a bare `ray.init()`
-or `ray.data` call would join the most recently started cluster), and the other run trains on undisturbed."""
+or `ray.data` call would join the most recently started cluster), and the other run trains on undisturbed. Then
+Ctrl-C ends that run with one line naming its last checkpoint and the command that resumes it, and that command
+resumes it."""
 
 from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from ray_helpers import ray_head, read_jsonl, sigint_as_in_a_terminal, wait_for
+
+from raytrain.cli.main import _resume_hint, build_parser
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.faults]
 
@@ -37,7 +42,9 @@ def jobs_seen_by(address: str) -> int:
     return int(done.stdout.strip().splitlines()[-1])
 
 
-def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_path: Path) -> None:
+def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three things on one machine at once: a `raytrain fit` run training on its own local instance (the oldest),
     a plain `ray start` head (the newest cluster: a bare `ray.init()` would join it), and README's snippet, whose
     `fit()` starts an instance of its own. The snippet finishes and never joins the head; the first run trains on
@@ -81,3 +88,37 @@ def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(tmp_pat
     assert len(starts) == 1, f"the first run restarted {len(starts) - 1} time(s): {stderr[-2000:]}"
     steps = [m["step"] for m in read_jsonl(metrics)]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= trained_through
+    resume_as_printed(stderr, tmp_path, env, monkeypatch)
+
+
+def resume_as_printed(stderr: str, tmp_path: Path, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C printed one line naming the last committed checkpoint and the command that resumes, and no
+    traceback; that command resumes from it (here told to stop 3 steps later), and `keep = 2` leaves two
+    checkpoints on disk (one written but never committed before the interruption is removed at the next start)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("raytrain: interrupted;")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert f"the last checkpoint is {tmp_path / 'first'}/checkpoint_" in lines[0], lines[0]
+    resume = shlex.split(lines[0].split("; resume with: ", 1)[1])
+    step = int(lines[0].split("(step ", 1)[1].split(")")[0])
+    assert resume[:3] == ["raytrain", "fit", "examples/fit_mlp.toml"] and step >= 20  # fit_mlp: every 20 steps
+    resume[resume.index("--steps") + 1] = str(step + 3)
+    done = subprocess.run(
+        [sys.executable, "-m", "raytrain.cli", *resume[1:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    starts = read_jsonl(tmp_path / "first" / "events.jsonl")
+    assert starts[-1]["restored"] and starts[-1]["step"] == step
+    assert [m["step"] for m in read_jsonl(tmp_path / "first" / "metrics.jsonl")][-4:] == list(range(step, step + 4))
+    checkpoints = [p.name for p in (tmp_path / "first").iterdir() if p.name.startswith("checkpoint_") and p.is_dir()]
+    assert len(checkpoints) == 2, sorted(checkpoints)
+    # `raytrain demo` names its run by the time unless told: its resume command names the run
+    args = build_parser().parse_args(["demo", "--storage", str(tmp_path)])
+    args.run_name, args.run_dir = "first", str(tmp_path / "first")
+    monkeypatch.setattr(sys, "argv", ["raytrain", "demo", "--storage", str(tmp_path)])
+    assert _resume_hint(args).endswith(f"resume with: raytrain demo --storage {tmp_path} --run-name first")

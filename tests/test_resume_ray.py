@@ -1,5 +1,6 @@
-"""Resumes that change the run, on a real local Ray instance: a new global batch, more epochs, a torn log line; and
-the optimizer users reach for first (AdamW with parameter groups, zero1, a cosine schedule, clipping)."""
+"""Resumes on a real local Ray instance: that replay exactly (zero1 with dropout and the optimizer users reach
+for first, AdamW with parameter groups, a cosine schedule and clipping; zero3), that change the run (a new global
+batch, more epochs), after a torn log line, with trackers, and from damaged checkpoints."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ray_helpers import ids_by_epoch, make_trainer, read_jsonl
 from raytrain.config import LRConfig
 from raytrain.errors import ConfigError
 from raytrain.lr_rules import lr_factor
-from raytrain.toy import adamw_groups, inverse_sqrt_schedule
+from raytrain.toy import adamw_groups, mlp_factory
 from raytrain.trackers import TensorBoard
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules by name
@@ -85,60 +86,6 @@ def test_streaming_run_resumed_mid_epoch_at_a_larger_batch_then_extended_trains_
         assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}: duplicates or missing ids"
 
 
-def test_adamw_groups_zero1_cosine_and_clipping_resume_exactly(ray_local: None, tmp_path: Path) -> None:
-    """AdamW with three parameter groups (own weight decay, half LR for the first layer) under zero1 at W=2, a
-    cosine schedule with warmup over an explicit decay length, clipping: the LR follows the schedule, and a run
-    stopped at step 4 and resumed equals the run that never stopped (the sharded state came back)."""
-    lr = LRConfig(base_lr=0.01, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=8)
-    options = {
-        "workers": 2,
-        "strategy": "zero1",
-        "optimizer_fn": adamw_groups,
-        "lr": lr,
-        "max_grad_norm": 0.5,
-        "epochs": 5,
-    }
-    full = read_jsonl(make_trainer(tmp_path, "full", steps=8, **options).fit().metrics_path)  # type: ignore[arg-type]
-    expected = [
-        0.01 * lr_factor(s, warmup_steps=2, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for s in range(8)
-    ]
-    assert [m["lr"] for m in full] == pytest.approx(expected)
-    assert all(m["grad_norm"] > 0 for m in full)
-    make_trainer(tmp_path, "split", steps=4, every=4, **options).fit()  # type: ignore[arg-type]
-    resumed = read_jsonl(make_trainer(tmp_path, "split", steps=8, every=4, **options).fit().metrics_path)  # type: ignore[arg-type]
-    for a, b in zip(full[4:], resumed[4:], strict=True):
-        assert (b["step"], b["lr"]) == (a["step"], pytest.approx(a["lr"]))
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
-
-
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
-def test_drop_last_with_a_batch_larger_than_the_data_fails_on_the_driver(
-    ray_local: None, tmp_path: Path, deterministic: bool
-) -> None:
-    trainer = make_trainer(
-        tmp_path, "big", workers=2, rows=30, global_batch=40, drop_last=True, deterministic=deterministic
-    )
-    with pytest.raises(ConfigError, match=r"global_batch \(40\) is larger than the training set \(30 rows\)"):
-        trainer.fit()
-    assert not (tmp_path / "big").exists()  # no worker ever started
-
-
-def test_a_user_lr_schedule_sets_every_steps_lr(ray_local: None, tmp_path: Path) -> None:
-    lr = LRConfig(base_lr=0.05)
-    result = make_trainer(tmp_path, "hook", workers=2, steps=5, lr=lr, lr_schedule_fn=inverse_sqrt_schedule).fit()
-    assert [m["lr"] for m in read_jsonl(result.metrics_path)] == pytest.approx(
-        [0.05 / (s + 1) ** 0.5 for s in range(5)]
-    )
-
-
-def test_a_broken_lr_schedule_fails_on_the_driver(ray_local: None, tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, "badhook", workers=2, steps=5, lr_schedule_fn=lambda step, total: -1.0)
-    with pytest.raises(ConfigError, match=r"lr_schedule_fn .*\(0, 5\) must return a finite number >= 0.*got -1.0"):
-        trainer.fit()
-    assert not (tmp_path / "badhook").exists()
-
-
 class JsonTracker:
     """A tracker of one's own (what an MLflow or W&B adapter looks like): three methods, rank 0 only."""
 
@@ -156,26 +103,81 @@ class JsonTracker:
         pass
 
 
-def test_trackers_see_every_step_once_across_a_resume_after_a_torn_metrics_line(
-    ray_local: None, tmp_path: Path
+ADAMW_LR = LRConfig(base_lr=0.01, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=8)
+RESUMES = {
+    # AdamW with three parameter groups (own weight decay, half LR for the first layer) and its state sharded by
+    # zero1, dropout (its draws are seeded per seed, step and rank), a cosine schedule with warmup over an explicit
+    # decay length, clipping; two trackers (TensorBoard and one of the user's own) see every step once, and a torn
+    # metrics line (a crash or a full disk mid-write) does not break the resume
+    "zero1-adamw-dropout-trackers": {
+        "strategy": "zero1",
+        "optimizer_fn": adamw_groups,
+        "lr": ADAMW_LR,
+        "max_grad_norm": 0.5,
+        "model_fn": mlp_factory(8, 16, dropout=0.5),
+    },
+    "zero3": {"strategy": "zero3"},  # parameters, gradients and optimizer state sharded
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_a_run_stopped_and_resumed_equals_the_run_that_never_stopped(
+    ray_local: None, tmp_path: Path, case: str
 ) -> None:
+    """A run stopped after its checkpoint at step 4 and resumed at the same W replays steps 5..8 of the run that
+    never stopped: the same losses, LRs and gradient norms (the model, the sharded optimizer state, the schedule,
+    the data position and the random draws all came back)."""
+    options = {"workers": 2, "epochs": 5, **RESUMES[case]}
+    full = read_jsonl(make_trainer(tmp_path, "full", steps=8, **options).fit().metrics_path)  # type: ignore[arg-type]
+    assert all(m["grad_norm"] > 0 for m in full)
+    tracking = case.endswith("trackers")
+    trackers = [TensorBoard(), JsonTracker()] if tracking else []
+    make_trainer(tmp_path, "split", steps=4, every=4, trackers=trackers, **options).fit()  # type: ignore[arg-type]
+    with open(tmp_path / "split" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "epoch": 0, "lo')  # torn mid-write
+    result = make_trainer(tmp_path, "split", steps=8, every=4, trackers=trackers, **options).fit()  # type: ignore[arg-type]
+    events = read_jsonl(result.events_path)
+    assert [(e["restored"], e["step"]) for e in events] == [(False, 0), (True, 4)]
+    resumed = read_jsonl(result.metrics_path)
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    for a, b in zip(full[4:], resumed[4:], strict=True):
+        assert (b["step"], b["lr"]) == (a["step"], pytest.approx(a["lr"]))
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-9)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+    if not tracking:
+        return
+    expected = [
+        0.01 * lr_factor(s, warmup_steps=2, schedule="cosine", total_steps=8, min_lr_ratio=0.1) for s in range(8)
+    ]
+    assert [m["lr"] for m in full] == pytest.approx(expected)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    trackers = [TensorBoard(), JsonTracker()]
-    make_trainer(tmp_path, "tb", workers=2, steps=4, every=2, trackers=trackers).fit()
-    with open(tmp_path / "tb" / "metrics.jsonl", "a") as f:
-        f.write('{"step": 5, "epoch": 0, "lo')  # a crash or a full disk mid-write: the resume must not break
-    result = make_trainer(tmp_path, "tb", workers=2, steps=6, every=2, trackers=trackers).fit()
-    metrics = read_jsonl(result.metrics_path)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
-    events = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
-    events.Reload()
-    losses = {e.step: e.value for e in events.Scalars("loss")}
-    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
-    assert [losses[m["step"]] for m in metrics] == pytest.approx([m["loss"] for m in metrics], rel=1e-6)
-    assert {"lr", "world_size", "global_batch_size", "step_time_s"} <= set(events.Tags()["scalars"])
-    tracked = read_jsonl(tmp_path / "tb" / "tracked.jsonl")
-    assert [r["step"] for r in tracked] == [1, 2, 3, 4, 5, 6]
+    board = EventAccumulator(str(tmp_path / "split" / "tensorboard"))
+    board.Reload()
+    losses = {e.step: e.value for e in board.Scalars("loss")}
+    assert sorted(losses) == list(range(1, 9))
+    assert [losses[m["step"]] for m in resumed] == pytest.approx([m["loss"] for m in resumed], rel=1e-6)
+    assert {"lr", "world_size", "global_batch_size", "step_time_s"} <= set(board.Tags()["scalars"])
+    assert [r["step"] for r in read_jsonl(tmp_path / "split" / "tracked.jsonl")] == list(range(1, 9))
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "streaming"])
+def test_drop_last_with_a_batch_larger_than_the_data_fails_on_the_driver(
+    ray_local: None, tmp_path: Path, deterministic: bool
+) -> None:
+    trainer = make_trainer(
+        tmp_path, "big", workers=2, rows=30, global_batch=40, drop_last=True, deterministic=deterministic
+    )
+    with pytest.raises(ConfigError, match=r"global_batch \(40\) is larger than the training set \(30 rows\)"):
+        trainer.fit()
+    assert not (tmp_path / "big").exists()  # no worker ever started
+
+
+def test_a_broken_lr_schedule_fails_on_the_driver(ray_local: None, tmp_path: Path) -> None:
+    trainer = make_trainer(tmp_path, "badhook", workers=2, steps=5, lr_schedule_fn=lambda step, total: -1.0)
+    with pytest.raises(ConfigError, match=r"lr_schedule_fn .*\(0, 5\) must return a finite number >= 0.*got -1.0"):
+        trainer.fit()
+    assert not (tmp_path / "badhook").exists()
 
 
 def test_a_tracker_without_its_methods_is_rejected_on_the_driver(tmp_path: Path) -> None:

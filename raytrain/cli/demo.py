@@ -224,7 +224,9 @@ class FakeCluster:
         from ray.cluster_utils import Cluster
 
         from raytrain.ray_hooks import FAST_NODE_DEATH
+        from raytrain.trainer import mute_state_api
 
+        mute_state_api()  # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={

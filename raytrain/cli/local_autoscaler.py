@@ -269,6 +269,9 @@ class LocalAutoscalingCluster:
         once, more on demand). Returns self."""
         from ray.cluster_utils import Cluster
 
+        from raytrain.trainer import mute_state_api
+
+        mute_state_api()  # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API
         for note in self.node_types.notes:
             logger.info("local autoscaler: %s", note)
         saved = {k: os.environ.get(k) for k in ("RAY_FAKE_CLUSTER", "AUTOSCALER_UPDATE_INTERVAL_S")}
