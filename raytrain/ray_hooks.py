@@ -257,7 +257,10 @@ class RefreshClusterView(WorkerGroupCallback, ControllerCallback):
 
         started = time.monotonic()
         gone = sorted(leaving_nodes(self._group_nodes))
-        while gone and any(_alive(node) for node in gone) and time.monotonic() - started < NODE_DEATH_PATIENCE_S:
+        while gone and time.monotonic() - started < NODE_DEATH_PATIENCE_S:
+            records = node_records()  # one fetch per round, whatever the number of nodes
+            if not any(records.get(node, {}).get("Alive") for node in gone):
+                break
             time.sleep(0.2)
         if gone:
             waited = time.monotonic() - started
@@ -336,8 +339,18 @@ def nodes_using(resource: str) -> set[str]:
     }
 
 
-def leaving_nodes(nodes: set[str]) -> set[str]:
-    """Those of `nodes` that are dead, being drained, or whose raylet does not answer (probed in parallel)."""
+def node_records() -> dict[str, dict[str, Any]]:
+    """Every node the GCS knows (alive or dead), by id: one `ray.nodes()` fetch, which callers make once per round
+    and share, never once per node (a fetch returns every node: per node it would cost the cluster's size
+    squared)."""
+    import ray
+
+    return {n["NodeID"]: n for n in ray.nodes()}
+
+
+def leaving_nodes(nodes: set[str], records: dict[str, dict[str, Any]] | None = None) -> set[str]:
+    """Those of `nodes` that are dead, unknown, being drained, or whose raylet does not answer (probed in
+    parallel), judged on `records` (default: one `node_records()` fetch)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ray._private.state import state as ray_state
@@ -348,28 +361,18 @@ def leaving_nodes(nodes: set[str]) -> set[str]:
         draining = set(ray_state.get_draining_nodes())
     except Exception:  # an older GCS: no drains known
         draining = set()
+    records = node_records() if records is None else records
     probed = sorted(nodes - draining)
     with ThreadPoolExecutor(max_workers=min(32, len(probed) or 1)) as pool:
-        answers = dict(zip(probed, pool.map(_raylet_answers, probed), strict=True))
+        answers = dict(zip(probed, pool.map(lambda node: _raylet_answers(records.get(node)), probed), strict=True))
     return (nodes & draining) | {node for node, answered in answers.items() if not answered}
 
 
-def _node_record(node_id: str) -> dict[str, Any] | None:
-    import ray
-
-    return next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-
-
-def _alive(node_id: str) -> bool:
-    record = _node_record(node_id)
-    return bool(record and record["Alive"])
-
-
-def _raylet_answers(node_id: str, timeout_s: float = 1.0) -> bool:
-    """Whether the raylet of `node_id` accepts a TCP connection (a crashed worker's node does; a lost one not)."""
+def _raylet_answers(record: dict[str, Any] | None, timeout_s: float = 1.0) -> bool:
+    """Whether the raylet of the node `record` describes is alive and accepts a TCP connection (a crashed
+    worker's node does; a lost one not)."""
     import socket
 
-    record = _node_record(node_id)
     if record is None or not record["Alive"]:
         return False
     try:

@@ -194,3 +194,28 @@ def test_a_lost_worker_is_said_in_words_not_in_gloos_text() -> None:
     assert "Connection closed by peer" in error_detail(lost)  # type: ignore[arg-type]  # kept in raytrain.log
     bug = SimpleNamespace(worker_failures={**echoes, 1: ValueError("loss_fn must return one loss per sample")})
     assert describe_error(bug) == "rank 1: ValueError: loss_fn must return one loss per sample (and 2 more)"  # type: ignore[arg-type]
+
+
+@pytest.mark.ray
+def test_lost_nodes_are_judged_on_one_node_table_fetch_whatever_their_number(
+    ray_local: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`leaving_nodes` probes 64 nodes (this instance's node, alive and answering, and 63 the GCS never knew) on
+    one `ray.nodes()` fetch: the controller's calls per round do not grow with the cluster (one fetch per node
+    probed cost a 64-node cluster 64 fetches of 64 records)."""
+    import ray
+
+    from raytrain.ray_hooks import leaving_nodes
+
+    fetches: list[int] = []
+    fetch = ray.nodes
+
+    def counted() -> Any:
+        fetches.append(1)
+        return fetch()
+
+    monkeypatch.setattr(ray, "nodes", counted)
+    here = ray.get_runtime_context().get_node_id()
+    unknown = {f"{i:056x}" for i in range(1, 64)}
+    assert leaving_nodes({here, *unknown}) == unknown
+    assert len(fetches) == 1
