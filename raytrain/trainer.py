@@ -150,6 +150,7 @@ def check_ray_address() -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         _check_reachable(address)
+        _check_token(address)
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -164,6 +165,58 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as err:
         raise ConfigError(f"cannot reach the Ray cluster at RAY_ADDRESS={address!r}: {err}") from None
+
+
+def _check_token(address: str) -> None:
+    """With token authentication off on this side (RAY_AUTH_MODE unset or "disabled"), one call to the GCS at a
+    "host:port" `address` says at once whether the cluster demands a token: `ConfigError` saying what to set if
+    it does (`ray.init` retries for ~25 s, then fails with a traceback). In token mode `ray.init` checks for a
+    token itself, at once; any other failure is left to `ray.init` to report."""
+    if os.environ.get("RAY_AUTH_MODE", "disabled") != "disabled" or not address.rpartition(":")[2].isdigit():
+        return
+    if address.startswith("ray://"):
+        return
+    import ray.exceptions
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+
+    saved = os.dup(2)  # Ray's C++ client logs the refusal to stderr too: the ConfigError says it in one line
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            GcsClient(address=address)
+    except ray.exceptions.AuthenticationError as err:
+        raise ConfigError(_refused_message(address, err)) from None
+    except Exception:
+        return
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _refused_message(address: str, err: BaseException) -> str:
+    import re
+
+    found = re.search(r"InvalidAuthToken: [^.]*|Token authentication is enabled but [^.]*", str(err))
+    reason = found.group(0) if found else str(err).splitlines()[0]
+    return (
+        f"the Ray cluster at RAY_ADDRESS={address!r} refused this process: it uses token authentication and the "
+        "token here is missing or not the cluster's; set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or "
+        f"~/.ray/auth_token) to the cluster's token ({reason})"
+    )
+
+
+def _authentication_error(err: BaseException) -> BaseException | None:
+    """The exception in `err` or its causes that says the cluster refused this process's token (Ray's
+    `AuthenticationError`, or the `RuntimeError` that `ray.init` raises after its retries, quoting it), else
+    None."""
+    import ray.exceptions
+
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def local_cpus(spec: TrainSpec) -> int:
@@ -192,7 +245,13 @@ def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -
     address = os.environ.get("RAY_ADDRESS")
     if address:
         check_ray_address()
-        init_ray(address=address)
+        try:
+            init_ray(address=address)
+        except (ConnectionError, ray.exceptions.AuthenticationError) as err:
+            refused = _authentication_error(err)
+            if refused is None:
+                raise
+            raise ConfigError(_refused_message(address, refused)) from None
     else:
         explicit_token_mode()
         cpus = max(os.cpu_count() or 1, local_cpus)

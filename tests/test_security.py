@@ -1,7 +1,7 @@
-"""Security and `ray job submit`: a two-file project submitted to a token-authenticated cluster trains and a
-submission without the token is refused; no secret lands in the run's files; the dashboard of a Ray instance
-raytrain starts listens on 127.0.0.1 only. (That no checkpoint file is unpickled as arbitrary code is in
-tests/test_checkpoint_files.py.)"""
+"""Security and `ray job submit`: a two-file project submitted to a token-authenticated cluster trains, and a
+submission or a run without the token is refused (the run in one line); no secret lands in the run's files; the
+dashboard of a Ray instance raytrain starts listens on 127.0.0.1 only. (That no checkpoint file is unpickled as
+arbitrary code is in tests/test_checkpoint_files.py.)"""
 
 from __future__ import annotations
 
@@ -49,6 +49,24 @@ def test_ray_job_submit_runs_a_two_file_project_on_a_token_cluster_and_no_secret
         assert "Token authentication is enabled but Ray couldn't find an authentication token" in refused.stderr
         wrong = submit(dashboard, {**head["env"], "RAY_AUTH_TOKEN": secrets.token_hex(16)}, working_dir, runs)
         assert wrong.returncode != 0 and "AuthenticationError" in wrong.stderr, wrong.stderr[-1000:]
+        # a run pointed at the cluster without its token, in token mode or not: one line saying what to set, in
+        # seconds, exit 2 (token mode: a traceback; not: ~28 s of Ray's retries, then a traceback)
+        run = [sys.executable, "-m", "raytrain.cli", "fit", str(REPO / "examples" / "fit_mlp.toml"), "--dry-run"]
+        for mode in ("token", None):
+            env = {k: v for k, v in without.items() if k != "RAY_AUTH_MODE"} | {"RAY_ADDRESS": head["address"]}
+            env |= {"RAY_AUTH_MODE": mode} if mode else {}
+            tokenless = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+            assert tokenless.returncode == 2, tokenless.stderr[-3000:]
+            assert tokenless.stderr.strip().splitlines() == [
+                f"raytrain: error: the Ray cluster at RAY_ADDRESS='{head['address']}' refused this process: it uses "
+                "token authentication and the token here is missing or not the cluster's; set RAY_AUTH_TOKEN (or "
+                "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's token ("
+                + (
+                    "Token authentication is enabled but no authentication token was found)"
+                    if mode
+                    else "InvalidAuthToken: Authentication token is missing or incorrect)"
+                )
+            ], tokenless.stderr[-3000:]
         with_token = {**head["env"], "AWS_SECRET_ACCESS_KEY": secret}
         attempts: list[str] = []
 
