@@ -342,7 +342,7 @@ _OWN_STATE_API: dict[str, str] = {}  # the RAY_API_SERVER_ADDRESS raytrain set i
 STATE_API_NOWHERE = "http://127.0.0.1:1"  # nothing listens on port 1: a state API call is refused at once
 
 
-def mute_state_api() -> None:
+def mute_state_api() -> Callable[[], None]:
     """Before starting a Ray instance without a dashboard that this process owns and that ends with it (the demo's
     fake-node cluster, the local autoscaler's, a benchmark's): point Ray's state API, in this process and every
     Ray process it starts, at an address where nothing listens. A value the user set is kept.
@@ -353,8 +353,21 @@ def mute_state_api() -> None:
     for it (measured: 12.8-13.3 s from the last step to `fit()`'s return, 1.1-2.0 s when refused at once); with
     another instance's dashboard up, it may hear "no such actor" and remove this run's placement group. Refused,
     the cleaner logs that it could not ask and carries on; it never removes a placement group, which the instance
-    does not outlive anyway."""
+    does not outlive anyway.
+
+    Returns the function that puts RAY_API_SERVER_ADDRESS back as it was: call it when the instance stops (a node
+    started later must get the setting too), and it never reaches what this process runs afterwards (the `ray`
+    CLI and job SDK talk to the address it names)."""
+    before = os.environ.get("RAY_API_SERVER_ADDRESS")
     os.environ.setdefault("RAY_API_SERVER_ADDRESS", STATE_API_NOWHERE)
+
+    def restore() -> None:
+        if before is None:
+            os.environ.pop("RAY_API_SERVER_ADDRESS", None)
+        else:
+            os.environ["RAY_API_SERVER_ADDRESS"] = before
+
+    return restore
 
 
 def worker_env() -> dict[str, str]:

@@ -29,13 +29,11 @@ def ray_local() -> Iterator[None]:
     if ray.is_initialized():
         ray.shutdown()
     apply_ray_env_defaults()
-    saved = os.environ.get("RAY_API_SERVER_ADDRESS")
-    mute_state_api()  # for the instance's processes only: a run a test starts in a subprocess decides its own
+    restore = mute_state_api()  # for the instance's processes only: what a test starts later decides its own
     try:
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     finally:
-        if saved is None:
-            del os.environ["RAY_API_SERVER_ADDRESS"]
+        restore()
     _LOCAL["address"] = ray.get_runtime_context().gcs_address
     yield
 

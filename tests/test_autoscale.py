@@ -8,6 +8,7 @@ after the idle timeout once training ends.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,10 @@ def test_spot_first_then_on_demand_when_the_spot_type_is_at_its_maximum(no_ray_c
     from ray.autoscaler.sdk import request_resources
 
     bundle = {"CPU": 1, "worker_slot": 1}
+    state_api = os.environ.get("RAY_API_SERVER_ADDRESS")
     with LocalAutoscalingCluster.from_cluster_yaml(idle_timeout_s=4) as cluster:
+        # the muted state API is the cluster's processes' only: `ray job submit` here afterwards failed with it
+        assert os.environ.get("RAY_API_SERVER_ADDRESS") == state_api
         ray.init(address=cluster.address, log_to_driver=False)
         assert cluster.worker_nodes() == {}
         request_resources(bundles=[bundle] * 5)

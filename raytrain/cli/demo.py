@@ -226,7 +226,8 @@ class FakeCluster:
         from raytrain.ray_hooks import FAST_NODE_DEATH
         from raytrain.trainer import mute_state_api
 
-        mute_state_api()  # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API
+        # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API
+        self._restore_state_api = mute_state_api()
         self.cluster = Cluster(
             initialize_head=True,
             head_node_args={
@@ -276,6 +277,7 @@ class FakeCluster:
     def shutdown(self) -> None:
         """Stop every node of the cluster."""
         self.cluster.shutdown()
+        self._restore_state_api()
 
 
 class AutoscaledNodes:

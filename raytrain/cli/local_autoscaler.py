@@ -271,11 +271,13 @@ class LocalAutoscalingCluster:
 
         from raytrain.trainer import mute_state_api
 
-        mute_state_api()  # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API
         for note in self.node_types.notes:
             logger.info("local autoscaler: %s", note)
         saved = {k: os.environ.get(k) for k in ("RAY_FAKE_CLUSTER", "AUTOSCALER_UPDATE_INTERVAL_S")}
         os.environ.update({"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"})
+        # no dashboard: the controller's PlacementGroupCleaner must not wait on the state API (the nodes the
+        # autoscaler adds get the head's environment)
+        restore_state_api = mute_state_api()
         config_path = os.path.join(self.control_dir, "autoscaling.json")
         try:
             self.cluster = Cluster()
@@ -306,6 +308,7 @@ class LocalAutoscalingCluster:
                 _system_config={"enable_autoscaler_v2": True, **self.system_config},
             )
         finally:
+            restore_state_api()
             for key, value in saved.items():
                 if value is None:
                     os.environ.pop(key, None)
