@@ -51,7 +51,8 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
     }
     for replica in survivors:  # ...in the process it was started in
         assert replica["pid"] == launched[replica["replica"]], (replica, launched)
-    assert any(r["first_step"] == 1 for r in survivors)  # and one of them trained every step from the first
+    # (No survivor need have trained from step 1: an original that starts late heals from a peer and joins, and
+    # kills take the highest index. That at each kill another replica was training is `restarts == 0` above.)
     assert all(r["replica"] not in lost for r in live["finished"])  # a killed replica never comes back as itself
     assert min(summary["world_sizes"]) < 3  # the kills were felt...
     for event in summary["events"]:  # ...and a step was committed after each, without a restart
