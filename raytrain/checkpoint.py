@@ -115,6 +115,7 @@ def checkpoint_group() -> Any:
     return dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
 
 
+USER_KEY = "user"  # the user's own state (`start_save(extras=...)`) is stored under user.<name>
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -128,6 +129,7 @@ def start_save(
     metrics: dict[str, Any] | None = None,
     background_group: Any = None,
     flat_optimizer: bool = False,
+    extras: dict[str, Any] | None = None,
 ) -> PendingSave:
     """Begin a checkpoint of the current model, optimizer and train state in a fresh directory (collective: all
     ranks call it at the same step).
@@ -138,7 +140,9 @@ def start_save(
     consumed ids are always written before it returns (small, or a collective of the training thread).
     `flat_optimizer`: store each parameter group's options under every parameter's name (pipeline stages hold
     different parameters, so a shared list of groups would be overwritten by one stage's); about twice the bytes
-    of the optimizer's options, so only where needed. `load_checkpoint` recognises either form."""
+    of the optimizer's options, so only where needed. `load_checkpoint` recognises either form. `extras`: the
+    user's own state, {name: object with state_dict() and load_state_dict()}, saved under "user.<name>" (DCP
+    reshards its DTensors; `load_extras` reads it back)."""
     directory = tempfile.mkdtemp(prefix="raytrain-ckpt-")  # new: it outlives the call while Ray uploads it
     zero1 = _is_zero_optimizer(optimizer)
     sharded: dict[str, Any] = {"model": get_model_state_dict(model)}
@@ -148,6 +152,8 @@ def start_save(
             torch.save(optimizer.state_dict(), os.path.join(directory, ZERO1_OPTIMIZER_FILE))
     else:
         sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=FLAT if flat_optimizer else None)
+    if extras:
+        sharded[USER_KEY] = {name: value.state_dict() for name, value in extras.items()}
     if rank == 0:
         with open(os.path.join(directory, STATE_FILE), "w") as f:
             json.dump(asdict(state), f)
@@ -217,6 +223,36 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
     return state, load_consumed(directory)
+
+
+def load_extras(directory: str, extras: dict[str, Any]) -> list[str]:
+    """Load the user's own state saved by `start_save(extras=...)` from `directory` into each object of `extras`
+    (collective: every rank calls it with the same names); returns the names the checkpoint does not hold (they
+    keep their fresh state). Each object's `state_dict()` gives the shapes (and, for DTensors, this run's
+    sharding) to read into; its `load_state_dict()` receives what was read."""
+    reader = SafeReader(directory)
+    stored = reader.read_metadata().state_dict_metadata
+    present = {
+        name: value
+        for name, value in extras.items()
+        if any(k.startswith(f"{USER_KEY}.{name}.") or k == f"{USER_KEY}.{name}" for k in stored)
+    }
+    if present:
+        wanted = {USER_KEY: {name: value.state_dict() for name, value in present.items()}}
+        for name, state in wanted[USER_KEY].items():
+            asked = {f"{USER_KEY}.{name}.{key}" for key in state}
+            held = {k for k in stored if k.startswith(f"{USER_KEY}.{name}.")}
+            if asked - held:
+                raise ValueError(
+                    f"the checkpoint's {name!r} holds {sorted(k[len(USER_KEY) + len(name) + 2 :] for k in held)[:4]}"
+                    f"..., not {sorted(k[len(USER_KEY) + len(name) + 2 :] for k in asked - held)[:4]}: key it by "
+                    "names that do not change with the world size (the module's own, `Session.module`; DDP adds "
+                    "'module.' only when the world has more than one rank)"
+                )
+        dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner())
+        for name, value in present.items():
+            value.load_state_dict(wanted[USER_KEY][name])
+    return sorted(set(extras) - set(present))
 
 
 def load_consumed(directory: str) -> IdRanges:

@@ -75,3 +75,12 @@ def all_gather_objects(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable `value` on every rank (`value` on the others is ignored); one copy travels, not W."""
+    if not _active():
+        return value
+    box = [value if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

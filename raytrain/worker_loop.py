@@ -7,12 +7,13 @@ rank 0; everything it builds is one typed `Run`. The step loop then reads in a f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import posixpath
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ from raytrain.checkpoint_files import checkpoint_dirs, checkpoint_paths, read_st
 from raytrain.collectives import all_gather_objects, all_reduce_max_floats, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data.id_ranges import IdRanges
-from raytrain.data.materialized import IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
+from raytrain.data.materialized import ColumnData, IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
 from raytrain.data.parquet import ParquetIndex, ParquetSteps
 from raytrain.data.streaming import StreamingSteps
 from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
@@ -35,27 +36,20 @@ from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
 from raytrain.model_init import InitTrace, record_build
-from raytrain.optim import OptimizerFactory, build_optimizer, clip_grad_norm_, global_grad_norm, lr_ratios, set_lr
-from raytrain.parallel.apply import (
-    SYNC_LAST_MICRO_STEP,
-    StepPolicy,
-    UnitsFn,
-    all_reduce_gradients,
-    apply_parallelism,
-    backward_sync,
-    micro_step,
-    step_policy,
-    tied_gradients,
-)
+from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
+from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import check_losses, gpipe_step, stage_ties, widen
+from raytrain.parallel.pipeline import gpipe_step, stage_ties
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, plan_of
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
+from raytrain.step import Step, StepResult, train_step
 from raytrain.storage import node_local_copy
 
 StepSource = ParquetSteps | IndexedSteps | StreamingSteps
+
+__all__ = ["Run", "Step", "StepResult", "WorkerJob", "seed_step", "start_run", "steps", "train_step"]
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 LRScheduleFn = Callable[[int, int], float]
@@ -77,7 +71,9 @@ class WorkerJob:
     trackers: tuple[Any, ...] = ()  # experiment trackers (`raytrain.trackers`), used on rank 0
     meta_init: bool = False  # decided on the driver (`raytrain.model_init.choose_init`)
     pretrained: Any = None  # `raytrain.pretrained.Pretrained`: the weights to start from (checked on the driver)
-    data: ParquetIndex | IndexedData | None = None  # a ParquetSource's partition, or deterministic mode's data
+    data: ParquetIndex | IndexedData | ColumnData | None = (
+        None  # a ParquetSource's partition, or deterministic mode's data
+    )
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
 
@@ -94,94 +90,6 @@ def seed_step(seed: int, step: int, rank: int, device: torch.device | None = Non
     torch.default_generator.manual_seed(value)
     if device is not None and device.type == "cuda":
         torch.cuda.manual_seed(value)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one optimizer step produced, the same on every rank: the global summed per-sample loss, the global
-    gradient norm before clipping, and whether the optimizer stepped (False: a NaN or Inf was found)."""
-
-    loss_sum: float
-    grad_norm: float
-    stepped: bool
-
-
-def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    micro_batches: list[Batch],
-    replicas: int,
-    step_total: int,
-    max_grad_norm: float | None = None,
-    policy: StepPolicy = SYNC_LAST_MICRO_STEP,
-    scaler: torch.amp.GradScaler | None = None,
-) -> StepResult:
-    """One optimizer step over this rank's micro-batches (collective: every rank calls it).
-
-    Each backward() adds to the gradients, so normalise by the step's global sample count here: the summed
-    per-sample loss times dp / B, because DDP/FSDP then average over the `replicas` (dp) data-parallel ranks.
-    Gradients sync as `policy` says (by default on the last micro-step only). Then, on the gradient of the whole
-    global batch: its norm, which with the all-reduced loss decides whether the step is finite (identically on
-    every rank), clipping, and the optimizer step, skipped when the loss or the gradient holds a NaN or Inf. With
-    `scaler` (fp16) the loss is scaled and the gradients unscaled first; overflowing gradients are then the
-    scaler's to skip.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    scale = replicas / step_total
-    if policy.pipeline is not None:  # the one branch for pipelining: GPipe over the same micro-batches
-        device = next(model.parameters()).device
-        sync = backward_sync(model, policy)
-        local_sum = gpipe_step(
-            model, micro_batches, loss_fn, scale, policy.pipeline, device, sync, autocast_dtype=policy.autocast_dtype
-        )
-    else:
-        local_sum = _micro_steps(model, loss_fn, micro_batches, scale, policy, scaler)
-    if policy.all_reduce_gradients:
-        all_reduce_gradients(model.parameters(), policy.dp_group, replicas)
-    if policy.stage_ties:
-        tied_gradients(model, policy)
-    fault_point("optimizer")
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    loss_sum = all_reduce_sum(local_sum if policy.counts_loss else 0.0)
-    norm = global_grad_norm(policy.norm_parameters(model) if policy.stage_ties else model.parameters())
-    if policy.pp_group is not None:  # each stage holds its own parameters: the squares add up over the pipeline
-        norm = torch.tensor(math.sqrt(all_reduce_sum(float(norm) ** 2, policy.pp_group)), dtype=norm.dtype)
-    finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
-    if not finite:
-        optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum, float(norm), stepped=False)
-    if max_grad_norm is not None:
-        clip_grad_norm_(model.parameters(), max_grad_norm, norm)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    return StepResult(loss_sum, float(norm), stepped=True)
-
-
-def _micro_steps(
-    model: nn.Module,
-    loss_fn: LossFn,
-    micro_batches: list[Batch],
-    scale: float,
-    policy: StepPolicy,
-    scaler: torch.amp.GradScaler | None,
-) -> float:
-    """Forward and backward of each micro-batch, gradients accumulating; returns the summed per-sample loss."""
-    local_sum = 0.0
-    for j, batch in enumerate(micro_batches):
-        with micro_step(model, last=j == len(micro_batches) - 1, policy=policy):
-            fault_point("forward")
-            losses = loss_fn(model, batch)
-            check_losses(losses, batch)
-            fault_point("backward")
-            loss = widen(losses).sum() * scale
-            (scaler.scale(loss) if scaler is not None else loss).backward()
-        local_sum += float(losses.detach().float().sum())
-    return local_sum
 
 
 @torch.no_grad()
@@ -228,7 +136,7 @@ def _device(use_gpu: bool, local_rank: int) -> torch.device:
 
 @dataclass
 class Run:
-    """The typed state of one worker-group start: built once by `start_run`, then advanced by `run_step`."""
+    """The typed state of one worker-group start: built once by `start_run`, then advanced step by step by `steps`."""
 
     job: WorkerJob
     rank: int
@@ -255,6 +163,9 @@ class Run:
     saves: Any = None  # the process group of background checkpoint writes (None: written on the training thread)
     pending: PendingSave | None = None  # a checkpoint being written; reported once every rank has written it
     commit: PendingCommit = field(default_factory=lambda: PendingCommit())
+    restored_from: tuple[str, Any] | None = None  # the checkpoint this start restored: (path, pyarrow filesystem)
+    extras: dict[str, Any] = field(default_factory=dict)  # the user's own state in every checkpoint (`Session.track`)
+    user_metrics: dict[str, Any] = field(default_factory=dict)  # added to the current step's line (`Session.report`)
 
     @property
     def spec(self) -> TrainSpec:
@@ -302,9 +213,11 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
     return [latest, *older]
 
 
-def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) -> tuple[TrainState, IdRanges, bool]:
-    """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, True),
-    or a fresh state and False when there is none.
+def _restore(
+    model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log
+) -> tuple[TrainState, IdRanges, tuple[str, Any] | None]:
+    """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, its
+    (path, filesystem)), or a fresh state and None when there is none.
 
     First rank 0 removes what Ray never committed (directories newer than Ray's latest checkpoint). A damaged
     checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays in storage
@@ -316,7 +229,7 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
 
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return TrainState(), IdRanges(), False
+        return TrainState(), IdRanges(), None
     fs, latest = checkpoint.filesystem, checkpoint.path
     candidates = restore_candidates(latest, fs)
     if log.active:
@@ -334,20 +247,28 @@ def _restore(model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log) 
                     f"WARNING: checkpoint {posixpath.basename(path)} is damaged ({why}); resuming from "
                     f"{posixpath.basename(directory)}"
                 )
-            context = ray.train.get_context()
-            with node_local_copy(
-                directory,
-                fs,
-                node=ray.get_runtime_context().get_node_id(),
-                local_rank=context.get_local_rank(),
-                barrier=lambda: all_reduce_sum(0.0),
-            ) as local:
-                return (*load_checkpoint(local, model, optimizer), True)
+            with local_checkpoint(directory, fs) as local:
+                return (*load_checkpoint(local, model, optimizer), (directory, fs))
         damaged.append((directory, reason))
     raise DamagedCheckpointsError(
         f"no intact checkpoint in {_run_dir_of(latest)} to resume from: "
         + "; ".join(f"{posixpath.basename(path)}: {why}" for path, why in damaged)
         + " (move the run directory away to start over)"
+    )
+
+
+def local_checkpoint(directory: str, fs: Any) -> contextlib.AbstractContextManager[str]:
+    """A checkpoint directory as a local path (collective): itself when local, else a copy downloaded once per
+    node for the duration of the context (`node_local_copy`)."""
+    import ray
+    import ray.train
+
+    return node_local_copy(
+        directory,
+        fs,
+        node=ray.get_runtime_context().get_node_id(),
+        local_rank=ray.train.get_context().get_local_rank(),
+        barrier=lambda: all_reduce_sum(0.0),
     )
 
 
@@ -378,7 +299,7 @@ def _step_source(
             replica_ranks=dims.replica_ranks() if dims.model_parallel else None,
         )
     if spec.loop.deterministic:
-        assert isinstance(job.data, IndexedData), "deterministic mode needs the driver's IndexedData"
+        assert isinstance(job.data, IndexedData | ColumnData), "deterministic mode needs indexed data"
         return IndexedSteps(
             job.data, seed=spec.loop.seed, plan=plan, rank=replica, device=device, drop_last=spec.batch.drop_last
         )
@@ -485,7 +406,8 @@ def start_run(job: WorkerJob) -> Run:
             f"{pretrained.uri}: read {pretrained.bytes_read / 2**20:.4g} of {pretrained.nbytes / 2**20:.4g} MiB on "
             f"rank 0 in {built - began:.2f} s (each rank reads its shard)"
         )
-    state, consumed, restored = _restore(model, optimizer, log)
+    state, consumed, restored_from = _restore(model, optimizer, log)
+    restored = restored_from is not None
     loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:
         scaler.load_state_dict(state.loss_scale)
@@ -536,6 +458,7 @@ def start_run(job: WorkerJob) -> Run:
         total_steps=total_steps,
         clock=clock,
         saves=checkpoint_group() if spec.checkpoint.background_save else None,
+        restored_from=restored_from,
     )
     log.total_steps = run.total_steps
     phases = {"model": built - began, "restore": loaded - built, "data": time.perf_counter() - loaded}
@@ -557,30 +480,40 @@ def start_run(job: WorkerJob) -> Run:
     return run
 
 
-def run_step(run: Run, step: StepData) -> dict[str, Any]:
-    """Train one optimizer step on `step`'s data, advance the run's state; returns the step's metrics."""
+def begin_step(run: Run, data: StepData) -> Step:
+    """Set up the next optimizer step on `data` (this rank's micro-batches): its LR by the rule, its random seed
+    (restart-proof; one draw per tensor-parallel group), the fault points of tests; returns the `Step` to train."""
     state, spec = run.state, run.spec
-    lr = run.lr_at(state.step)
-    set_lr(run.optimizer, run.lr_ratios, lr)
+    set_lr(run.optimizer, run.lr_ratios, run.lr_at(state.step))
     faults.at_step(state.step + 1)
-    seed_step(spec.loop.seed, state.step, run.replica, run.device)  # restart-proof; one draw per TP group
-    started = time.perf_counter()
-    total = step.plan.global_batch
-    result = train_step(
+    seed_step(spec.loop.seed, state.step, run.replica, run.device)
+    return Step(
         run.model,
         run.optimizer,
-        run.job.loss_fn,
-        step.micro_batches,
+        data.micro_batches,
         run.dims.dp,
-        total,
+        data.plan.global_batch,
         spec.loop.max_grad_norm,
         run.policy,
         run.scaler,
     )
+
+
+def end_step(run: Run, step: Step, data: StepData, seconds: float) -> dict[str, Any]:
+    """Advance the run's state past a trained `step` and return the step's metrics (the same on every rank);
+    `NonFiniteError` when the step held a NaN or Inf and `LoopConfig.on_nonfinite` is "stop"."""
+    state, spec = run.state, run.spec
+    result = step.result
+    if result is None:
+        raise RuntimeError(
+            f"step {state.step + 1} ended without step.optimizer_step(): call it once per step, after its micro-batches"
+        )
+    total = data.plan.global_batch
     if not result.stepped:
         if spec.loop.on_nonfinite == "stop":
             raise NonFiniteError.at(state.step + 1, result.loss_sum / total, result.grad_norm)
         state.skipped_steps += 1
+    lr = run.lr_at(state.step)
     state.step, state.sample_in_epoch, state.samples_seen = (
         state.step + 1,
         state.sample_in_epoch + total,
@@ -590,14 +523,14 @@ def run_step(run: Run, step: StepData) -> dict[str, Any]:
         "step": state.step,
         "epoch": state.epoch,
         "world_size": run.world,
-        "accumulation_steps": step.plan.accumulation_steps,
-        "per_rank_samples": list(step.plan.per_rank_samples),
+        "accumulation_steps": data.plan.accumulation_steps,
+        "per_rank_samples": list(data.plan.per_rank_samples),
         "global_batch_size": total,
         "samples_seen": state.samples_seen,
         "lr": lr,
         "loss": result.loss_sum / total,
         "grad_norm": result.grad_norm,
-        "step_time_s": time.perf_counter() - started,
+        "step_time_s": seconds,
         "time": time.time(),
     }
     if state.skipped_steps:
@@ -638,36 +571,52 @@ def _checkpoint_step() -> int:
 
 
 def _train(run: Run) -> None:
-    """The step loop of one worker-group start, from the restored position to the end of the run."""
+    """raytrain's own loop: every step of `steps(run)` trained with the job's `loss_fn`."""
+    for step in steps(run):
+        try:
+            step.train(run.job.loss_fn)
+        except Exception as err:
+            if out_of_memory(err):
+                raise OutOfMemory(_memory_advice(run, err)) from err
+            raise
+
+
+def steps(run: Run) -> Iterator[Step]:
+    """The step loop of one worker-group start, from the restored position to the end of the run: yields each
+    optimizer step for the caller to train (`Step.train`, or the user's own loop over `Step.micro_batches`), then
+    advances the data position, logs the step on rank 0, checkpoints when due and answers a drain notice. After
+    the last step: the final checkpoint, every checkpoint committed, the run's summary line. Collective: every
+    rank walks it to the end, step for step."""
     spec, state = run.spec, run.state
     max_steps = spec.loop.max_steps or 2**62
     metrics: dict[str, Any] = {}
     checkpointed = state.step
     while state.step < max_steps and state.epoch < spec.loop.epoch_limit:
         asked = time.perf_counter()
-        step = run.source.next_step(state.epoch, state.sample_in_epoch)
+        data = run.source.next_step(state.epoch, state.sample_in_epoch)
         data_wait = time.perf_counter() - asked
-        if step is None:  # the epoch is used up; nothing is carried into the next one
+        if data is None:  # the epoch is used up; nothing is carried into the next one
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
+        step = begin_step(run, data)
+        started = time.perf_counter()
+        yield step
         try:
-            metrics = run_step(run, step)
-            metrics["data_wait_s"] = data_wait
-            if isinstance(run.source, ParquetSteps):
-                metrics["data_held_bytes"] = run.source.stats.held_bytes
+            metrics = end_step(run, step, data, time.perf_counter() - started)
         except NonFiniteError:
             # Found by every rank at the same step (agreed by the norm's all-reduce): the checkpoint being
             # written holds the last good state, so every rank completes and commits it before stopping.
             _settle(run)
             raise
-        except Exception as err:
-            if out_of_memory(err):
-                raise OutOfMemory(_memory_advice(run, err)) from err
-            raise
+        metrics["data_wait_s"] = data_wait
+        if isinstance(run.source, ParquetSteps):
+            metrics["data_held_bytes"] = run.source.stats.held_bytes
+        metrics.update(run.user_metrics)
+        run.user_metrics.clear()
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
         if checkpoint_now:
             _validate(run, metrics)
-        run.log.step(metrics, run.source.global_ids(step) if spec.loop.audit_samples else None)
+        run.log.step(metrics, run.source.global_ids(data) if spec.loop.audit_samples else None)
         if checkpoint_now:
             checkpointed = _checkpoint(run, metrics)
         deadline = _agree_after_step(run)
@@ -837,6 +786,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         metrics=metrics,
         background_group=run.saves,
         flat_optimizer=run.dims.pp > 1,
+        extras=run.extras,
     )
     fault_point("checkpoint")
     if run.saves is None:

@@ -88,6 +88,62 @@ class IndexedData:
         return {name: as_column(chunks)[self.block_row_of_position] for name, chunks in parts.items()}
 
 
+@dataclass(frozen=True)
+class ColumnData:
+    """A training set held in memory as numpy columns (a map-style dataset read whole), with the interface of
+    `IndexedData` that deterministic mode's `IndexedSteps` uses: rows ordered by sample id."""
+
+    columns_by_id: dict[str, np.ndarray]
+    ids: np.ndarray  # int64 sample id of every position, sorted ascending
+
+    @property
+    def num_rows(self) -> int:
+        """The number of samples."""
+        return int(self.ids.size)
+
+    @classmethod
+    def from_map_style(cls, dataset: Any, id_column: str | None = None) -> ColumnData:
+        """Read every item of a map-style dataset (`len(dataset)`, `dataset[i]` -> a dict of numbers, numpy arrays
+        or tensors of one sample) into columns. Ids are `dataset[i][id_column]` (unique integers), else `i`.
+        `ConfigError` names what is wrong (an empty set, an item that is not a dict, a missing or repeated id)."""
+        import torch
+
+        rows = len(dataset)
+        if rows == 0:
+            raise ConfigError("training dataset is empty: it must hold at least one item")
+        items = [dataset[i] for i in range(rows)]
+        if not isinstance(items[0], dict):
+            raise ConfigError(
+                f"a map-style dataset's items must be dicts of column name -> value, got {type(items[0]).__name__} "
+                "for item 0 (return e.g. {'x': features, 'y': label})"
+            )
+        names = list(items[0])
+
+        def value(item: dict[str, Any], name: str) -> Any:
+            v = item[name]
+            return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else np.asarray(v)
+
+        columns = {name: np.stack([value(item, name) for item in items]) for name in names}
+        if id_column is not None:
+            if id_column not in columns:
+                raise ConfigError(f"id_column {id_column!r} is not a key of the dataset's items {names}")
+            ids = columns[id_column].astype(np.int64)
+            if np.unique(ids).size != ids.size:
+                raise ConfigError(f"id_column {id_column!r} must hold a unique id per item; some ids repeat")
+        else:
+            ids = np.arange(rows, dtype=np.int64)
+        by_id = np.argsort(ids, kind="stable")
+        return cls({name: column[by_id] for name, column in columns.items()}, ids[by_id])
+
+    def head(self, rows: int) -> dict[str, np.ndarray]:
+        """The first `rows` rows (in id order)."""
+        return {name: column[:rows] for name, column in self.columns_by_id.items()}
+
+    def load_columns(self) -> dict[str, np.ndarray]:
+        """Every column, rows ordered by id."""
+        return self.columns_by_id
+
+
 def as_column(chunks: list[np.ndarray]) -> np.ndarray:
     """Concatenate column chunks; a column of equal-length arrays (an Arrow list column) becomes a 2-D array."""
     column = np.concatenate(chunks)
@@ -243,7 +299,9 @@ class IndexedSteps:
     """Deterministic mode's step source: the step at position p of epoch e is `order(seed, e)[p:p+B]`, whatever W
     is."""
 
-    def __init__(self, data: IndexedData, *, seed: int, plan: Any, rank: int, device: Any, drop_last: bool) -> None:
+    def __init__(
+        self, data: IndexedData | ColumnData, *, seed: int, plan: Any, rank: int, device: Any, drop_last: bool
+    ) -> None:
         self.data, self.seed, self.plan, self.rank, self.device = data, seed, plan, rank, device
         self.drop_last = drop_last
         self.num_rows = data.num_rows
