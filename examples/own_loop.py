@@ -85,7 +85,7 @@ def train_func(config: dict[str, Any]) -> None:
     run = raytrain.attach(  # raytrain: the global batch, the LR rule and the data, fixed whatever the world size
         batch=BatchConfig(global_batch=config["global_batch"], micro_batch=config["micro_batch"]),
         lr=LRConfig(base_lr=config["lr"], rule="sqrt", warmup_steps=5),
-        data=RegressionData(),
+        data=config.get("data") or RegressionData(),  # or a Parquet path, or a ray.data.Dataset
         loop=LoopConfig(epochs=config["epochs"], max_steps=config["steps"], audit_samples=True, log_every=5),
         checkpoint=CheckpointConfig(every_steps=config["every"]),
     )

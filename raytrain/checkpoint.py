@@ -14,12 +14,13 @@ Saving is a collective: every rank must call `save_checkpoint`, or `start_save` 
 the write together; zero1 consolidates the optimizer on rank 0; the file sizes are gathered for the manifest). With
 a background group `start_save` returns once this rank's shard is copied to host memory and DCP writes it in a
 thread, so training goes on while the files are written; the manifest, written last, marks the files complete.
-Nothing is loaded with arbitrary unpickling: DCP through `raytrain.checkpoint_files.SafeReader` /
+Nothing is loaded with arbitrary unpickling: DCP through `SafeReader` /
 `SafeLoadPlanner`, the torch file with `weights_only=True`, the ids with `allow_pickle=False`, the state as JSON.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -32,6 +33,9 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,9 +44,38 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from raytrain.checkpoint_files import STATE_FILE, SafeLoadPlanner, SafeReader, file_sizes, write_manifest
+from raytrain.checkpoint_files import METADATA_FILE, STATE_FILE, file_sizes, read_metadata, write_manifest
 from raytrain.collectives import all_gather_objects
 from raytrain.data.id_ranges import IdRanges
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file-system reader with the metadata read by `checkpoint_files.read_metadata` (DCP's own classes
+    only) instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, refusing anything but DCP's own classes."""
+        metadata: Metadata = read_metadata(os.path.join(str(self.path), METADATA_FILE))
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor items read by `torch.load(weights_only=True)` (the same placement as
+    `DefaultLoadPlanner.load_bytes`, which uses `weights_only=False`)."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        """Set one non-tensor item (e.g. an optimizer's param_groups) from its bytes, without arbitrary objects."""
+        from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper for flattened dicts
+
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
 
 CONSUMED_FILE = "consumed_ranges.npy"
 CONSUMED_IDS_FILE = "consumed_ids.npy"  # written before ranges (every id, sorted): still read

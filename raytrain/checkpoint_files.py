@@ -21,9 +21,6 @@ import posixpath
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 STATE_FILE = "raytrain_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -219,40 +216,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which raytrain does not load")
 
 
-def _parse_metadata(data: bytes, where: str) -> Metadata:
+def _parse_metadata(data: bytes, where: str) -> Any:
+    """DCP's `Metadata` from its file's bytes, unpickled by `_MetadataUnpickler` (torch.distributed.checkpoint is
+    imported here, not with this module: a new run's checks need none of its 3 s of imports)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError(f"{where} does not hold DCP metadata")
     return metadata
 
 
-def _read_metadata(path: str) -> Metadata:
+def read_metadata(path: str) -> Any:
+    """The DCP `Metadata` in the file at `path`, read safely (`_MetadataUnpickler`)."""
     with open(path, "rb") as f:
         return _parse_metadata(f.read(), path)
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file-system reader with the metadata read by `_MetadataUnpickler` instead of `pickle.load`."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The checkpoint's metadata, refusing anything but DCP's own classes."""
-        metadata = _read_metadata(os.path.join(str(self.path), METADATA_FILE))
-        storage_meta = metadata.storage_meta or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor items read by `torch.load(weights_only=True)` (the same placement as
-    `DefaultLoadPlanner.load_bytes`, which uses `weights_only=False`)."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        """Set one non-tensor item (e.g. an optimizer's param_groups) from its bytes, without arbitrary objects."""
-        from torch.distributed.checkpoint._traverse import set_element  # DCP's own helper for flattened dicts
-
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -18,12 +18,13 @@ from torch import nn
 from raytrain.checkpoint import (
     CONSUMED_FILE,
     CONSUMED_IDS_FILE,
+    SafeReader,
     TrainState,
     load_checkpoint,
     load_consumed,
     save_checkpoint,
 )
-from raytrain.checkpoint_files import SafeReader, checkpoint_dirs, verify
+from raytrain.checkpoint_files import checkpoint_dirs, verify
 from raytrain.data.id_ranges import IdRanges
 
 

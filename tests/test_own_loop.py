@@ -62,11 +62,19 @@ def framework_losses(tmp_path: Path, steps: int) -> list[float]:
     return [m["loss"] for m in read_jsonl(trainer.fit().metrics_path)]
 
 
-def test_own_loop_resized_2_1_2_trains_the_frameworks_curve_with_every_sample_once(ray_local: None, tmp_path):
+@pytest.fixture(scope="module")
+def resized(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example trained at W = 2 to step 12, then resumed at W = 1 to step 24 and at W = 2 to step 36."""
+    tmp_path = tmp_path_factory.mktemp("own_loop")
     storage = str(tmp_path / "runs")
     for workers, steps in ((2, 12), (1, 24), (2, 36)):
         result = own_loop.main(["--workers", str(workers), "--steps", str(steps), "--storage", storage])
         assert result.error is None and result.metrics["step"] == steps
+    return tmp_path
+
+
+def test_own_loop_resized_2_1_2_trains_the_frameworks_curve_with_every_sample_once(ray_local: None, resized: Path):
+    tmp_path, storage = resized, str(resized / "runs")
     run_dir = tmp_path / "runs" / "own_loop"
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, 37))
@@ -91,3 +99,45 @@ def test_own_loop_resized_2_1_2_trains_the_frameworks_curve_with_every_sample_on
     straight = own_loop.main(["--workers", "2", "--steps", "36", "--storage", storage, "--run-name", "straight"])
     assert straight.metrics["ema_norm"] == pytest.approx(metrics[-1]["ema_norm"], abs=1e-6)
     assert straight.metrics["loss"] == pytest.approx(metrics[-1]["loss"], abs=1e-6)
+
+
+def train_on(data: Any, run: str, storage: str, steps: int) -> Any:
+    """The example's `train_func` on other data, at W = 2."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    config = {"global_batch": 32, "micro_batch": 8, "lr": 3e-3, "epochs": 3, "steps": steps, "every": 10}
+    return TorchTrainer(
+        own_loop.train_func,
+        train_loop_config={**config, "data": data},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=run, storage_path=storage),
+    ).fit()
+
+
+@pytest.mark.parametrize("kind", ["ray_dataset", "parquet"])
+def test_own_loop_takes_a_ray_dataset_and_parquet_files(ray_local: None, resized: Path, kind: str, tmp_path):
+    """The same rows as a Ray dataset (ids = the map-style indices: the same order, so the same curve as the
+    map-style run's first steps) and as Parquet files (read in place in raytrain's windowed order: every sample
+    once)."""
+    data = own_loop.RegressionData()
+    rows = [{"id": i, "x": data.x[i], "y": data.y[i]} for i in range(len(data))]
+    if kind == "ray_dataset":
+        source: Any = ray.data.from_items(rows)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        from ray.data.extensions import ArrowTensorArray
+
+        table = pa.table({"id": np.arange(len(data)), "x": ArrowTensorArray.from_numpy(data.x), "y": data.y})
+        for part, begin in enumerate(range(0, len(data), 200)):
+            pq.write_table(table.slice(begin, 200), tmp_path / f"part-{part}.parquet", row_group_size=50)
+        source = str(tmp_path)
+    result = train_on(source, kind, str(tmp_path / "runs"), 19)  # epoch 0: 18 steps of 32 and one of 24
+    assert result.error is None and result.metrics["step"] == 19
+    metrics = read_jsonl(tmp_path / "runs" / kind / "metrics.jsonl")
+    ids = ids_by_epoch(tmp_path / "runs" / kind / "samples.jsonl")[0]
+    assert sorted(ids) == list(range(600))  # every sample once
+    if kind == "ray_dataset":
+        reference = read_jsonl(resized / "runs" / "own_loop" / "metrics.jsonl")[:12]
+        np.testing.assert_allclose([m["loss"] for m in metrics[:12]], [m["loss"] for m in reference], atol=1e-6)
