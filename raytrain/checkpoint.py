@@ -219,10 +219,12 @@ def save_checkpoint(
     consumed: IdRanges,
     *,
     flat_optimizer: bool = False,
+    extras: dict[str, Any] | None = None,
 ) -> str:
     """Write this rank's share of the checkpoint into a fresh directory and return it, before returning (all
     ranks must call; `start_save` + `finish_save` without a background write)."""
-    return finish_save(start_save(model, optimizer, state, rank, consumed, flat_optimizer=flat_optimizer), rank)
+    pending = start_save(model, optimizer, state, rank, consumed, flat_optimizer=flat_optimizer, extras=extras)
+    return finish_save(pending, rank)
 
 
 def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, IdRanges]:
@@ -273,7 +275,7 @@ def load_extras(directory: str, extras: dict[str, Any]) -> list[str]:
     if present:
         wanted = {USER_KEY: {name: value.state_dict() for name, value in present.items()}}
         for name, state in wanted[USER_KEY].items():
-            asked = {f"{USER_KEY}.{name}.{key}" for key in state}
+            asked = set(_flat_keys(state, f"{USER_KEY}.{name}"))
             held = {k for k in stored if k.startswith(f"{USER_KEY}.{name}.")}
             if asked - held:
                 raise ValueError(
@@ -286,6 +288,14 @@ def load_extras(directory: str, extras: dict[str, Any]) -> list[str]:
         for name, value in present.items():
             value.load_state_dict(wanted[USER_KEY][name])
     return sorted(set(extras) - set(present))
+
+
+def _flat_keys(value: Any, prefix: str) -> list[str]:
+    """The keys DCP stores the nested state `value` under, below `prefix` (its own flattening)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    flat, _ = flatten_state_dict({prefix: value})
+    return list(flat)
 
 
 def load_consumed(directory: str) -> IdRanges:

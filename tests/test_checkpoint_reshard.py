@@ -6,7 +6,9 @@ while the files are written, then `finish_save`): that checkpoint must hold the 
 at. The test merges the directories the way Ray Train does (one directory, all files) and loads it at another
 world size. After loading, the full parameters equal the saved ones, and one more optimizer step on the same
 global batch gives the same parameters as the run that never stopped, which holds only when the optimizer state
-(momentum) came back too.
+(momentum) came back too. The user's own state saved beside them (`extras`, as `raytrain.attach`'s `run.track`
+saves it: an EMA keyed by the module's own names, DTensors under zero2/zero3, and a plain counter) comes back whole
+at the other world size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import torch
 from torch import nn
 
 from raytrain.batch_plan import plan_batch
-from raytrain.checkpoint import TrainState, checkpoint_group, finish_save, load_checkpoint, save_checkpoint, start_save
+from raytrain.checkpoint import (
+    TrainState,
+    checkpoint_group,
+    finish_save,
+    load_checkpoint,
+    load_extras,
+    save_checkpoint,
+    start_save,
+)
 from raytrain.data.id_ranges import IdRanges
 from raytrain.data.materialized import rank_micro_batches
 from raytrain.optim import build_optimizer
@@ -68,6 +78,27 @@ def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
+class _Shadow:
+    """A user's own state: an EMA-like copy of the parameters (keyed by the module's own names) and a counter."""
+
+    def __init__(self, model: nn.Module, zero: bool = False) -> None:
+        module = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        self.weights = {
+            name: torch.zeros_like(p.detach()) if zero else p.detach().clone() for name, p in module.named_parameters()
+        }
+        self.count = 0 if zero else 7
+
+    def state_dict(self) -> dict[str, object]:
+        return {"weights": self.weights, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.weights, self.count = state["weights"], state["count"]  # type: ignore[assignment]
+
+    def full(self) -> dict[str, object]:
+        full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in self.weights.items()}
+        return {"weights": full, "count": self.count}
+
+
 def _world_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]:
     results: dict[str, object] = {}
     group = checkpoint_group()
@@ -81,12 +112,13 @@ def _world_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]
                     _step(model, optimizer, 0, rank, world)
                     _step(model, optimizer, 1, rank, world)
                     state, ids = TrainState(step=2), IdRanges.from_ids(np.arange(5, 9))
+                    extras = {"ema": _Shadow(model)}
                     if kind == "sync":
-                        directory = save_checkpoint(model, optimizer, state, rank, ids)
+                        directory = save_checkpoint(model, optimizer, state, rank, ids, extras=extras)
                         saved = _full_params(model)
                         _step(model, optimizer, 2, rank, world)
                     else:  # the next step runs while the files are being written
-                        pending = start_save(model, optimizer, state, rank, ids, background_group=group)
+                        pending = start_save(model, optimizer, state, rank, ids, background_group=group, extras=extras)
                         saved = _full_params(model)
                         _step(model, optimizer, 2, rank, world)
                         directory = finish_save(pending, rank)
@@ -94,8 +126,16 @@ def _world_main(rank: int, world: int, mode: str, out: str) -> dict[str, object]
                 else:  # load the merged checkpoint, then take step 2
                     state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
                     loaded = _full_params(model)
+                    ema = _Shadow(model, zero=True)
+                    missing = load_extras(os.path.join(out, key), {"ema": ema, "absent": _Shadow(model, zero=True)})
                     _step(model, optimizer, 2, rank, world)
-                    results[key] = {"step": state.step, "loaded": loaded, "after": _full_params(model)}
+                    results[key] = {
+                        "step": state.step,
+                        "loaded": loaded,
+                        "after": _full_params(model),
+                        "ema": ema.full(),
+                        "missing": missing,
+                    }
             except Exception:
                 results[key] = {"error": traceback.format_exc()}
     return results
@@ -137,3 +177,7 @@ def test_checkpoint_from_w2_loads_and_continues_at_other_w(
         for name, value in reference["after"].items():
             # Equal only if the momentum buffers were restored too (and resharded for W' ranks).
             assert torch.allclose(outcome["after"][name], value, atol=1e-10), f"{name} diverged after resume"
+        assert outcome["missing"] == ["absent"] and outcome["ema"]["count"] == 7
+        assert set(outcome["ema"]["weights"]) == set(reference["saved"])
+        for name, value in reference["saved"].items():  # the EMA was the parameters at the checkpoint
+            assert torch.equal(outcome["ema"]["weights"][name], value), f"the user's state for {name} not restored"
