@@ -17,7 +17,8 @@ Data: a Parquet set the script writes (64 float32 features as Ray's tensor type,
 
 Measured on rank 0 from metrics.jsonl, in the steady state (after the first `skip` steps, without the first step
 of each epoch):
-    data_wait_fraction = sum(data_wait_s) / sum(interval between consecutive steps)
+    data_wait_fraction = sum(data_wait_s) / sum(interval between consecutive steps)    (rank 0's wait)
+    data_wait_fraction_max_rank = the same with each step's longest wait over all ranks (data_wait_max_s)
 where data_wait_s is the loop's real wall time inside `source.next_step` (reading, waiting for a prefetch,
 gathering rows, agreeing the step); samples/s = samples of the steady steps / their wall time (the hand-written
 loop records its own step times the same way);
@@ -243,13 +244,14 @@ def run_hand_written(storage: str, data_dir: str, workers: int, epochs: int) -> 
 def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, float]:
     """Steady-state data wait fraction, samples/s and peak data bytes held (see the module docstring)."""
     records = run_["records"]
-    wait = total = samples = 0.0
+    wait = wait_max = total = samples = 0.0
     for prev, cur in zip(records[skip:], records[skip + 1 :], strict=False):
         if cur["epoch"] != prev["epoch"]:
             continue
         interval = cur["time"] - prev["time"]
         total += interval
         wait += cur.get("data_wait_s", float("nan"))
+        wait_max += cur.get("data_wait_max_s", float("nan"))  # the slowest rank's wait at each step
         samples += cur["global_batch_size"]
     held = [r["data_held_bytes"] for r in records if "data_held_bytes" in r]
     memory = run_.get("memory", {})
@@ -260,6 +262,7 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
         "position_bytes": run_.get("position_bytes", float("nan")),
         "steps": len(records),
         "wait_fraction": wait / total if total else float("nan"),
+        "wait_fraction_max_rank": wait_max / total if total else float("nan"),
         "samples_per_s": samples / total if total else float("nan"),
         "data_bytes_fraction": max(held) / data_bytes if held else float("nan"),
         "startup_s": records[0]["time"] - run_["started"] if records else float("nan"),
@@ -449,6 +452,8 @@ def main() -> None:
         {
             "data_wait_fraction": pick("parquet W=2", "wait_fraction"),
             "data_wait_fraction_w3": pick("parquet W=3", "wait_fraction"),
+            "data_wait_fraction_max_rank": pick("parquet W=2", "wait_fraction_max_rank"),
+            "data_wait_fraction_max_rank_w3": pick("parquet W=3", "wait_fraction_max_rank"),
             "parquet_over_materialized": round(parquet2 / materialized2, 3) if parquet2 and materialized2 else None,
             "worker_peak_rss_bytes_parquet": None if (v := pick("parquet W=2", "peak_rss_mb")) is None else v * 1e6,
             "worker_rss_growth_bytes_parquet": growth("parquet"),

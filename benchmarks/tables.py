@@ -48,6 +48,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("input_pipeline", "data_wait_fraction", "Parquet path: data wait ÷ step time, W = 2", ("<=", 0.05)),
     (
         "input_pipeline",
+        "data_wait_fraction_max_rank",
+        "the same with each step's slowest rank's wait, W = 2",
+        ("<=", 0.05),
+    ),
+    (
+        "input_pipeline",
         "parquet_over_materialized",
         "Parquet path ÷ the materialized path, samples/s, same run",
         (">=", 0.95),

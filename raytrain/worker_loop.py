@@ -608,6 +608,7 @@ def steps(run: Run) -> Iterator[Step]:
             # written holds the last good state, so every rank completes and commits it before stopping.
             _settle(run)
             raise
+        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, data_wait)
         metrics["data_wait_s"] = data_wait
         if isinstance(run.source, ParquetSteps):
             metrics["data_held_bytes"] = run.source.stats.held_bytes
@@ -619,7 +620,6 @@ def steps(run: Run) -> Iterator[Step]:
         run.log.step(metrics, run.source.global_ids(data) if spec.loop.audit_samples else None)
         if checkpoint_now:
             checkpointed = _checkpoint(run, metrics)
-        deadline = _agree_after_step(run)
         if deadline is not None:  # a node of the group is being drained: save now, train nothing to be lost
             if state.step != checkpointed:
                 _validate(run, metrics)
@@ -642,16 +642,20 @@ def steps(run: Run) -> Iterator[Step]:
 DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on
 
 
-def _agree_after_step(run: Run) -> float | None:
-    """After every step, one tiny all-reduce agrees on two things: the deadline (UNIX seconds; 0 when unknown) of
-    a drain announced for a node of this worker group, returned (None without one), and whether every rank has
-    written its files of the checkpoint in progress, which is then reported at once (`_report_pending`)."""
+def _agree_after_step(run: Run, data_wait: float) -> tuple[float | None, float]:
+    """After every step, one tiny all-reduce agrees on three things: the deadline (UNIX seconds; 0 when unknown)
+    of a drain announced for a node of this worker group (None without one), whether every rank has written its
+    files of the checkpoint in progress, which is then reported at once (`_report_pending`), and the longest any
+    rank waited for this step's data (seconds; rank 0's own wait is not the slowest reader's). Returns (deadline,
+    longest data wait)."""
     local = preemption_deadline_ms()
     unwritten = run.pending is not None and not run.pending.written()
-    drain, any_unwritten = all_reduce_max_floats([-1.0 if local is None else local / 1000, float(unwritten)])
+    drain, any_unwritten, wait = all_reduce_max_floats(
+        [-1.0 if local is None else local / 1000, float(unwritten), data_wait]
+    )
     if run.pending is not None and not any_unwritten:
         _report_pending(run)
-    return None if drain < 0 else drain
+    return (None if drain < 0 else drain), wait
 
 
 def _settle(run: Run) -> None:

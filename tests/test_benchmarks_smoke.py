@@ -118,6 +118,7 @@ def test_input_pipeline_quick() -> None:
     headline = run_benchmark("input_pipeline.py")
     assert "data_wait_fraction" in headline
     assert 0 <= headline["data_wait_fraction"] < 1
+    assert headline["data_wait_fraction_max_rank"] >= headline["data_wait_fraction"]
     # Real memory on every rank and a real checkpoint's position files, not bookkeeping
     assert headline["worker_peak_rss_bytes_parquet"] > 0 and headline["worker_rss_growth_bytes_parquet"] is not None
     assert headline["position_checkpoint_bytes"] > 0

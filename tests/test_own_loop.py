@@ -80,6 +80,7 @@ def test_own_loop_resized_2_1_2_trains_the_frameworks_curve_with_every_sample_on
     assert [m["step"] for m in metrics] == list(range(1, 37))
     assert [m["world_size"] for m in metrics] == [2] * 12 + [1] * 12 + [2] * 12
     assert {m["global_batch_size"] for m in metrics if m["epoch"] == 0 and m["step"] < 19} == {32}
+    assert all(m["data_wait_max_s"] >= m["data_wait_s"] >= 0 for m in metrics)  # the slowest rank's, agreed
     events = read_jsonl(run_dir / "events.jsonl")
     assert [(e["world_size"], e["step"], e["restored"]) for e in events] == [
         (2, 0, False),
