@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -99,6 +100,7 @@ def train_func(config: dict[str, Any]) -> None:
         step.optimizer_step(optimizer)  # raytrain: was `optimizer.step()` (and `zero_grad()`)
         ema.update(run.module)
         run.report({"ema_norm": float(sum(v.norm() ** 2 for v in ema.shadow.values()) ** 0.5)})
+        time.sleep(config.get("pause_s", 0.0))  # --pause-s: a stand-in for a bigger model's compute
 
 
 def main(argv: list[str] | None = None) -> Any:
@@ -109,12 +111,14 @@ def main(argv: list[str] | None = None) -> Any:
     parser.add_argument("--steps", type=int, default=30, help="train until this many optimizer steps (default 30)")
     parser.add_argument("--storage", default="raytrain_runs", help="where runs go (default ./raytrain_runs)")
     parser.add_argument("--run-name", default="own_loop", help="the run (the same name resumes it)")
+    parser.add_argument("--pause-s", type=float, default=0.0, help="sleep after each step (a slower model)")
     args = parser.parse_args(argv)
 
     from ray.train import CheckpointConfig as RayCheckpointConfig
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raytrain.session import ray_callbacks
     from raytrain.trainer import connect_ray
 
     high = max(args.workers, args.max_workers or args.workers)
@@ -128,12 +132,15 @@ def main(argv: list[str] | None = None) -> Any:
             "epochs": 3,
             "steps": args.steps,
             "every": 10,
+            "pause_s": args.pause_s,
         },
         scaling_config=ScalingConfig(num_workers=args.workers if high == args.workers else (args.workers, high)),
         run_config=RunConfig(
             name=args.run_name,
             storage_path=os.path.abspath(args.storage),
             checkpoint_config=RayCheckpointConfig(num_to_keep=2),
+            # raytrain (optional): after a node loss, restart at the size left in seconds, not after Ray's 60 s
+            callbacks=ray_callbacks(os.path.join(os.path.abspath(args.storage), args.run_name)),
         ),
     )
     result = trainer.fit()

@@ -85,6 +85,20 @@ def attach(
     )
 
 
+def ray_callbacks(run_dir: str, monitor_interval_s: float = 1.0) -> list[Any]:
+    """Ray Train controller callbacks for the driver's `RunConfig(callbacks=...)` of an `attach` run (optional):
+    after a node loss Ray Train 2.60 first restarts at the old size and waits out its worker-group start timeout
+    (60 s by default) before trying the size that is left; `raytrain.ray_hooks.RefreshClusterView` waits for the
+    node to be marked dead and refreshes Ray's view, so the restart at the new size comes in seconds, and a node
+    that joins is seen at the next resize check (every `monitor_interval_s`). It writes its lines to
+    `<run_dir>/raytrain.log` (`run_dir`: RunConfig's storage_path/name, where the run's files go)."""
+    from raytrain.ray_hooks import RefreshClusterView
+
+    if not isinstance(monitor_interval_s, int | float) or monitor_interval_s <= 0:
+        raise ConfigError(f"monitor_interval_s must be > 0 (seconds), got {monitor_interval_s!r}")
+    return [RefreshClusterView(os.fspath(run_dir), float(monitor_interval_s))]
+
+
 def _refuse_loss(*_: Any) -> Any:
     raise RuntimeError("a raytrain.attach run has no loss_fn: its loop computes the losses (Step.backward)")
 

@@ -1,11 +1,13 @@
-"""Bring your own loop (`raytrain.attach`): examples/own_loop.py, a plain Ray Train `train_func`, trained at
-W = 2, then resumed at 1, then at 2 (each start reads the checkpoint at its new world size), against raytrain's
-own loop (`ElasticTrainer`) on the same model, data, batch, LR rule and optimizer at a fixed W = 2: the same loss
-curve, every sample once per epoch, and the user's own state (an EMA) carried through the checkpoints."""
+"""Bring your own loop (`raytrain.attach`): examples/own_loop.py's `train_func` under a plain Ray Train
+`TorchTrainer`, elastic on a cluster whose nodes go and come (W = 2 -> 1 -> 2 in one fit), against raytrain's own
+loop (`ElasticTrainer`) on the same model, data, batch, LR rule and optimizer at a fixed W = 2: the same loss
+curve, every sample once per epoch, and the user's own state (an EMA) carried through the restarts. Then the same
+loop on a Ray dataset and on Parquet files."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,10 @@ import numpy as np
 import pytest
 import ray
 import torch
-from ray_helpers import ids_by_epoch, read_jsonl
+from ray_helpers import ids_by_epoch, read_jsonl, wait_for
 
 from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+from raytrain.session import ray_callbacks
 from raytrain.trainer import ElasticTrainer
 
 pytestmark = pytest.mark.ray
@@ -42,11 +45,21 @@ def per_sample_squared_error(model: torch.nn.Module, batch: dict[str, torch.Tens
     return (model(batch["x"]) - batch["y"]) ** 2
 
 
-def framework_losses(tmp_path: Path, steps: int) -> list[float]:
-    """The same training through `ElasticTrainer` (raytrain's own loop) at W = 2, on the example's data as a Ray
-    dataset whose ids are the map-style indices (so both order the same samples the same way)."""
+CONFIG = {"global_batch": 32, "micro_batch": 8, "lr": 3e-3, "epochs": 20, "every": 10}
+STEPS = 160  # 600 rows, 19 steps an epoch (the last of 24 samples): 8 epochs and a part
+
+
+@pytest.fixture(scope="module")
+def framework_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The same training through `ElasticTrainer` (raytrain's own loop) at a fixed W = 2, on the example's data as
+    a Ray dataset whose ids are the map-style indices (so both order the same samples the same way)."""
+    tmp_path = tmp_path_factory.mktemp("framework")
     data = own_loop.RegressionData()
     rows = [{"id": i, "x": data.x[i], "y": data.y[i]} for i in range(len(data))]
+    if not ray.is_initialized():
+        from raytrain.trainer import connect_ray
+
+        connect_ray(4, "the reference run")
     trainer = ElasticTrainer(
         model_fn=own_loop.Net,
         loss_fn=per_sample_squared_error,
@@ -54,7 +67,7 @@ def framework_losses(tmp_path: Path, steps: int) -> list[float]:
         datasets={"train": ray.data.from_items(rows)},
         batch=BatchConfig(global_batch=32, micro_batch=8),
         lr=LRConfig(base_lr=3e-3, rule="sqrt", warmup_steps=5),
-        loop=LoopConfig(epochs=3, max_steps=steps, id_column="id"),
+        loop=LoopConfig(epochs=20, max_steps=STEPS, id_column="id"),
         checkpoint=CheckpointConfig(storage_path=str(tmp_path), log_dir=str(tmp_path), run_name="framework"),
         cluster=ClusterConfig(min_workers=2, max_workers=2, max_failures=0),
         required_columns=("x", "y"),
@@ -62,69 +75,34 @@ def framework_losses(tmp_path: Path, steps: int) -> list[float]:
     return [m["loss"] for m in read_jsonl(trainer.fit().metrics_path)]
 
 
-@pytest.fixture(scope="module")
-def resized(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The example trained at W = 2 to step 12, then resumed at W = 1 to step 24 and at W = 2 to step 36."""
-    tmp_path = tmp_path_factory.mktemp("own_loop")
-    storage = str(tmp_path / "runs")
-    for workers, steps in ((2, 12), (1, 24), (2, 36)):
-        result = own_loop.main(["--workers", str(workers), "--steps", str(steps), "--storage", storage])
-        assert result.error is None and result.metrics["step"] == steps
-    return tmp_path
-
-
-def test_own_loop_resized_2_1_2_trains_the_frameworks_curve_with_every_sample_once(ray_local: None, resized: Path):
-    tmp_path, storage = resized, str(resized / "runs")
-    run_dir = tmp_path / "runs" / "own_loop"
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, 37))
-    assert [m["world_size"] for m in metrics] == [2] * 12 + [1] * 12 + [2] * 12
-    assert {m["global_batch_size"] for m in metrics if m["epoch"] == 0 and m["step"] < 19} == {32}
-    assert all(m["data_wait_max_s"] >= m["data_wait_s"] >= 0 for m in metrics)  # the slowest rank's, agreed
-    events = read_jsonl(run_dir / "events.jsonl")
-    assert [(e["world_size"], e["step"], e["restored"]) for e in events] == [
-        (2, 0, False),
-        (1, 12, True),
-        (2, 24, True),
-    ]
-
-    reference = framework_losses(tmp_path, 36)
-    np.testing.assert_allclose([m["loss"] for m in metrics], reference, rtol=0, atol=1e-4)
-
-    by_epoch = ids_by_epoch(run_dir / "samples.jsonl")
-    assert sorted(by_epoch[0]) == list(range(600))  # 600 rows: epoch 0 is steps 1-19 (the last of 24 samples)
-    assert len(by_epoch[1]) == len(set(by_epoch[1])) == 17 * 32  # steps 20-36
-    assert by_epoch[1] != sorted(by_epoch[1]) and by_epoch[1][:32] != by_epoch[0][:32]  # reshuffled
-
-    # The EMA (the user's own state) went through both resumes: it ends where a run that never stopped ends it.
-    straight = own_loop.main(["--workers", "2", "--steps", "36", "--storage", storage, "--run-name", "straight"])
-    assert straight.metrics["ema_norm"] == pytest.approx(metrics[-1]["ema_norm"], abs=1e-6)
-    assert straight.metrics["loss"] == pytest.approx(metrics[-1]["loss"], abs=1e-6)
-
-
-def train_on(data: Any, run: str, storage: str, steps: int) -> Any:
-    """The example's `train_func` on other data, at W = 2."""
-    from ray.train import RunConfig, ScalingConfig
+def own_loop_trainer(data: Any, run: str, storage: str, steps: int, workers: Any = 2, **scaling: Any) -> Any:
+    """A plain Ray Train `TorchTrainer` over the example's `train_func` (on `data`; None: its map-style set)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    config = {"global_batch": 32, "micro_batch": 8, "lr": 3e-3, "epochs": 3, "steps": steps, "every": 10}
+    pause = scaling.pop("pause_s", 0.0)
     return TorchTrainer(
         own_loop.train_func,
-        train_loop_config={**config, "data": data},
-        scaling_config=ScalingConfig(num_workers=2),
-        run_config=RunConfig(name=run, storage_path=storage),
-    ).fit()
+        train_loop_config={**CONFIG, "steps": steps, "data": data, "pause_s": pause},
+        scaling_config=ScalingConfig(num_workers=workers, **scaling),
+        run_config=RunConfig(
+            name=run,
+            storage_path=storage,
+            failure_config=FailureConfig(max_failures=3),
+            callbacks=ray_callbacks(os.path.join(storage, run)),  # as the example's driver does
+        ),
+    )
 
 
 @pytest.mark.parametrize("kind", ["ray_dataset", "parquet"])
-def test_own_loop_takes_a_ray_dataset_and_parquet_files(ray_local: None, resized: Path, kind: str, tmp_path):
-    """The same rows as a Ray dataset (ids = the map-style indices: the same order, so the same curve as the
-    map-style run's first steps) and as Parquet files (read in place in raytrain's windowed order: every sample
-    once)."""
+def test_own_loop_takes_a_ray_dataset_and_parquet_files(
+    framework_losses: list[float], ray_local: None, kind: str, tmp_path: Path
+):
+    """The same rows as a Ray dataset (ids = the map-style indices: the framework's order, so its curve) and as
+    Parquet files (read in place in raytrain's windowed order: every sample once)."""
     data = own_loop.RegressionData()
-    rows = [{"id": i, "x": data.x[i], "y": data.y[i]} for i in range(len(data))]
     if kind == "ray_dataset":
-        source: Any = ray.data.from_items(rows)
+        source: Any = ray.data.from_items([{"id": i, "x": data.x[i], "y": data.y[i]} for i in range(len(data))])
     else:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -134,11 +112,77 @@ def test_own_loop_takes_a_ray_dataset_and_parquet_files(ray_local: None, resized
         for part, begin in enumerate(range(0, len(data), 200)):
             pq.write_table(table.slice(begin, 200), tmp_path / f"part-{part}.parquet", row_group_size=50)
         source = str(tmp_path)
-    result = train_on(source, kind, str(tmp_path / "runs"), 19)  # epoch 0: 18 steps of 32 and one of 24
+    result = own_loop_trainer(source, kind, str(tmp_path / "runs"), 19).fit()  # epoch 0: 18 steps of 32, one of 24
     assert result.error is None and result.metrics["step"] == 19
     metrics = read_jsonl(tmp_path / "runs" / kind / "metrics.jsonl")
-    ids = ids_by_epoch(tmp_path / "runs" / kind / "samples.jsonl")[0]
-    assert sorted(ids) == list(range(600))  # every sample once
+    assert sorted(ids_by_epoch(tmp_path / "runs" / kind / "samples.jsonl")[0]) == list(range(600))
     if kind == "ray_dataset":
-        reference = read_jsonl(resized / "runs" / "own_loop" / "metrics.jsonl")[:12]
-        np.testing.assert_allclose([m["loss"] for m in metrics[:12]], [m["loss"] for m in reference], atol=1e-6)
+        np.testing.assert_allclose([m["loss"] for m in metrics], framework_losses[:19], rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_own_loop_elastic_2_1_2_trains_the_frameworks_curve_with_every_sample_once(
+    framework_losses: list[float], no_ray_connection: None, tmp_path: Path
+):
+    """A node of two is removed while the example's loop trains at W = 2 (Ray Train restarts it at 1 from the last
+    checkpoint), then a node is added (Ray Train grows it back to 2): one `fit()` of a plain `TorchTrainer`."""
+    import threading
+
+    from raytrain.cli.demo import WORKER_SLOT, FakeCluster
+
+    cluster = FakeCluster(nodes=2, head_cpus=2, slots=1)
+    run_dir = tmp_path / "elastic"
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)
+        trainer = own_loop_trainer(
+            None,
+            "elastic",
+            str(tmp_path),
+            STEPS,
+            workers=(1, 2),
+            resources_per_worker={"CPU": 1, WORKER_SLOT: 1},
+            elastic_resize_monitor_interval_s=1.0,
+            pause_s=0.3,
+        )
+        results: list[Any] = []
+        fit = threading.Thread(target=lambda: results.append(trainer.fit()), daemon=True)
+        fit.start()
+
+        def last_line_at(world: int, step: int) -> bool:
+            lines = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+            return bool(lines) and lines[-1]["world_size"] == world and lines[-1]["step"] >= step
+
+        def start_at(world: int) -> list[dict[str, Any]]:
+            events = read_jsonl(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() else []
+            return [e for e in events if e["world_size"] == world]
+
+        wait_for("8 steps at W = 2", lambda: last_line_at(2, 8), timeout_s=240)
+        cluster.remove_node()
+        wait_for("a restart at W = 1", lambda: start_at(1), timeout_s=180)
+        # past a checkpoint at W = 1 (every 10 steps): the grow restarts from the latest one, so its lines stay
+        wait_for("a checkpoint at W = 1", lambda: last_line_at(1, start_at(1)[0]["step"] + 11), timeout_s=120)
+        cluster.add_node()
+        fit.join(timeout=400)
+        assert not fit.is_alive(), "the elastic fit did not end in 400 s"
+        assert results and results[0].error is None and results[0].metrics["step"] == STEPS
+
+        # The EMA (the user's own state) went through both restarts: it ends where a run that never stopped ends it.
+        straight = own_loop_trainer(None, "straight", str(tmp_path), STEPS, resources_per_worker={WORKER_SLOT: 1})
+        straight_metrics = straight.fit().metrics
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+    worlds = [e["world_size"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # retrained steps replace their lines
+    assert {m["world_size"] for m in metrics} == {1, 2}
+    assert all(m["global_batch_size"] == 32 for m in metrics if m["step"] % 19)  # an epoch's last step has 24
+    assert all(m["data_wait_max_s"] >= m["data_wait_s"] >= 0 for m in metrics)  # the slowest rank's, agreed
+    np.testing.assert_allclose([m["loss"] for m in metrics], framework_losses, rtol=0, atol=1e-4)
+    by_epoch = ids_by_epoch(run_dir / "samples.jsonl")
+    for epoch in range(8):
+        assert sorted(by_epoch[epoch]) == list(range(600)), f"epoch {epoch}: not every sample once"
+    assert by_epoch[1] != by_epoch[0]  # reshuffled
+    assert straight_metrics["ema_norm"] == pytest.approx(metrics[-1]["ema_norm"], abs=1e-6)
