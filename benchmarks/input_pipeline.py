@@ -388,6 +388,7 @@ def main() -> None:
     )
     keys = [
         "wait_fraction",
+        "wait_fraction_max_rank",
         "samples_per_s",
         "peak_rss_mb",
         "arrow_mb",
@@ -401,6 +402,7 @@ def main() -> None:
         "run",
         "rep",
         "data wait fraction",
+        "the same, slowest rank",
         "samples/s",
         "peak RSS MB (largest rank)",
         "pyarrow MB",
