@@ -267,20 +267,19 @@ def load_extras(directory: str, extras: dict[str, Any]) -> list[str]:
     sharding) to read into; its `load_state_dict()` receives what was read."""
     reader = SafeReader(directory)
     stored = reader.read_metadata().state_dict_metadata
-    present = {
-        name: value
-        for name, value in extras.items()
-        if any(k.startswith(f"{USER_KEY}.{name}.") or k == f"{USER_KEY}.{name}" for k in stored)
+    held = {
+        name: {k for k in stored if k == f"{USER_KEY}.{name}" or k.startswith(f"{USER_KEY}.{name}.")} for name in extras
     }
+    present = {name: value for name, value in extras.items() if held[name]}
     if present:
         wanted = {USER_KEY: {name: value.state_dict() for name, value in present.items()}}
         for name, state in wanted[USER_KEY].items():
             asked = set(_flat_keys(state, f"{USER_KEY}.{name}"))
-            held = {k for k in stored if k.startswith(f"{USER_KEY}.{name}.")}
-            if asked - held:
+            if asked - held[name]:
+                cut = len(USER_KEY) + len(name) + 2  # "user.<name>."
+                stored_keys, missing = sorted(k[cut:] for k in held[name]), sorted(k[cut:] for k in asked - held[name])
                 raise ValueError(
-                    f"the checkpoint's {name!r} holds {sorted(k[len(USER_KEY) + len(name) + 2 :] for k in held)[:4]}"
-                    f"..., not {sorted(k[len(USER_KEY) + len(name) + 2 :] for k in asked - held)[:4]}: key it by "
+                    f"the checkpoint's {name!r} holds {stored_keys[:4]}..., not {missing[:4]}: key it by "
                     "names that do not change with the world size (the module's own, `Session.module`; DDP adds "
                     "'module.' only when the world has more than one rank)"
                 )

@@ -480,11 +480,12 @@ def start_run(job: WorkerJob) -> Run:
     return run
 
 
-def begin_step(run: Run, data: StepData) -> Step:
-    """Set up the next optimizer step on `data` (this rank's micro-batches): its LR by the rule, its random seed
-    (restart-proof; one draw per tensor-parallel group), the fault points of tests; returns the `Step` to train."""
+def begin_step(run: Run, data: StepData, lr: float) -> Step:
+    """Set up the next optimizer step on `data` (this rank's micro-batches): its LR `lr` (`Run.lr_at`), its random
+    seed (restart-proof; one draw per tensor-parallel group), the fault points of tests; returns the `Step` to
+    train."""
     state, spec = run.state, run.spec
-    set_lr(run.optimizer, run.lr_ratios, run.lr_at(state.step))
+    set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)
     seed_step(spec.loop.seed, state.step, run.replica, run.device)
     return Step(
@@ -499,8 +500,8 @@ def begin_step(run: Run, data: StepData) -> Step:
     )
 
 
-def end_step(run: Run, step: Step, data: StepData, seconds: float) -> dict[str, Any]:
-    """Advance the run's state past a trained `step` and return the step's metrics (the same on every rank);
+def end_step(run: Run, step: Step, data: StepData, lr: float, seconds: float) -> dict[str, Any]:
+    """Advance the run's state past a trained `step` (at LR `lr`) and return its metrics (the same on every rank);
     `NonFiniteError` when the step held a NaN or Inf and `LoopConfig.on_nonfinite` is "stop"."""
     state, spec = run.state, run.spec
     result = step.result
@@ -513,7 +514,6 @@ def end_step(run: Run, step: Step, data: StepData, seconds: float) -> dict[str, 
         if spec.loop.on_nonfinite == "stop":
             raise NonFiniteError.at(state.step + 1, result.loss_sum / total, result.grad_norm)
         state.skipped_steps += 1
-    lr = run.lr_at(state.step)
     state.step, state.sample_in_epoch, state.samples_seen = (
         state.step + 1,
         state.sample_in_epoch + total,
@@ -598,11 +598,12 @@ def steps(run: Run) -> Iterator[Step]:
         if data is None:  # the epoch is used up; nothing is carried into the next one
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
-        step = begin_step(run, data)
+        lr = run.lr_at(state.step)  # once per step: a user's schedule hook is called once
+        step = begin_step(run, data, lr)
         started = time.perf_counter()
         yield step
         try:
-            metrics = end_step(run, step, data, time.perf_counter() - started)
+            metrics = end_step(run, step, data, lr, time.perf_counter() - started)
         except NonFiniteError:
             # Found by every rank at the same step (agreed by the norm's all-reduce): the checkpoint being
             # written holds the last good state, so every rank completes and commits it before stopping.

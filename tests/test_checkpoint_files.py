@@ -22,6 +22,7 @@ from raytrain.checkpoint import (
     TrainState,
     load_checkpoint,
     load_consumed,
+    load_extras,
     save_checkpoint,
 )
 from raytrain.checkpoint_files import checkpoint_dirs, verify
@@ -142,3 +143,29 @@ def test_a_checkpoint_with_the_optimizer_state_in_the_nested_form_loads(tmp_path
     assert [g["lr"] for g in fresh_optimizer.param_groups] == [g["lr"] for g in optimizer.param_groups]
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(optimizer.state[p]["exp_avg"], fresh_optimizer.state[q]["exp_avg"])
+
+
+class _Named:
+    """User state keyed by names given at construction (an EMA keyed by a wrapper's names, say)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.tensors = {name: torch.full((2,), float(i)) for i, name in enumerate(names)}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.tensors = dict(state)
+
+
+def test_user_state_keyed_by_names_that_changed_is_refused_naming_both(tmp_path: Path) -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = _Named(["module.weight", "module.bias"])  # as keyed through DDP's wrapper at W > 1
+    directory = save_checkpoint(model, optimizer, TrainState(step=1), 0, IdRanges(), extras={"ema": saved})
+    same = _Named(["module.weight", "module.bias"])
+    same.tensors = {k: torch.zeros(2) for k in same.tensors}
+    assert load_extras(directory, {"ema": same}) == []
+    assert torch.equal(same.tensors["module.bias"], torch.full((2,), 1.0))
+    with pytest.raises(ValueError, match=r"holds \['module.bias', 'module.weight'\]\.\.\., not \['bias', 'weight'\]"):
+        load_extras(directory, {"ema": _Named(["weight", "bias"])})  # the same state keyed at W = 1
