@@ -55,6 +55,7 @@ FEATURES, HIDDEN = 64, 512
 MICRO_BATCH, ACCUMULATION = 64, 4
 GLOBAL_BATCH = 512
 FILES, ROW_GROUP, WINDOW = 8, 256, 2
+PARTITIONS = 32  # ParquetSource's default
 ROW_BYTES = FEATURES * 4 + 4 + 8  # x, y and the id as numpy arrays
 
 
@@ -342,6 +343,54 @@ def position_checkpoint_cost(samples: int) -> dict[str, float]:
     return out
 
 
+def _rchar() -> int:
+    """Bytes this process has passed through read() calls so far (`/proc/self/io`: every byte read from a
+    file, from the page cache or the disk alike, as object storage would serve them)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def read_one_epoch(data_dir: str, world: int, rank: int, partitions: int, window: int) -> dict[str, float]:
+    """(In its own process, as a worker is.) Rank `rank` of `world` through one epoch of raytrain's Parquet step
+    source (`ParquetSteps`, all columns, global batch GLOBAL_BATCH): the bytes it read and the samples it got."""
+    from raytrain.batch_plan import plan_batch
+    from raytrain.data.parquet import ParquetSource, ParquetSteps
+
+    index = ParquetSource(data_dir, shuffle_window=window, partitions=partitions).index(("x", "y"), "id")
+    plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, world)
+    source = ParquetSteps(index, seed=0, plan=plan, rank=rank, device=torch.device("cpu"), drop_last=False, epochs=1)
+    index.head(1)  # the modules a read imports are read before the count starts (tens of MB of Ray's)
+    began, start = _rchar(), time.perf_counter()
+    position, samples = 0, 0
+    while (step := source.next_step(0, position)) is not None:
+        samples += len(step.ids)
+        position += GLOBAL_BATCH
+    seconds = time.perf_counter() - start
+    read = _rchar() - began
+    source.close()
+    return {"bytes": float(read), "samples": float(samples), "seconds": seconds}
+
+
+def read_amplification(data_dir: str, world: int, partitions: int, window: int) -> dict[str, float]:
+    """W processes, one per rank, run through one epoch at once (`read_one_epoch`); returns the bytes they read
+    together / the data set's bytes on disk (`amplification`), the largest rank's bytes / the mean (`imbalance`)
+    and the slowest rank's seconds."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    on_disk = sum(os.path.getsize(os.path.join(data_dir, n)) for n in os.listdir(data_dir) if n.endswith(".parquet"))
+    with ProcessPoolExecutor(world, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(read_one_epoch, data_dir, world, r, partitions, window) for r in range(world)]
+        ranks = [f.result() for f in futures]
+    read = [r["bytes"] for r in ranks]
+    return {
+        "amplification": sum(read) / on_disk,
+        "imbalance": max(read) / (sum(read) / world),
+        "seconds": max(r["seconds"] for r in ranks),
+        "samples": sum(r["samples"] for r in ranks),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short parquet runs at W=2, 1x and 4x data (a smoke run)")
@@ -377,6 +426,14 @@ def main() -> None:
                     run_ = run_raytrain(storage, data_dir, name, mode, workers, epochs)
                 results[key].append(summarise(run_, skip, data_bytes))
                 print(f"  done {key} rep {rep}: wait fraction {results[key][-1]['wait_fraction']:.3f}", flush=True)
+        # Storage reads at W = 4, one epoch of the 4x data set: the default layout against one partition.
+        reads: dict[str, list[dict[str, float]]] = {"partitions": [], "one partition": []}
+        for rep in range(reps):
+            reads["partitions"].append(read_amplification(large_dir, 4, PARTITIONS, WINDOW))
+            reads["one partition"].append(read_amplification(large_dir, 4, 1, 8))
+            for layout, found in reads.items():
+                assert found[-1]["samples"] == 4 * rows, f"{layout}: an epoch of {found[-1]['samples']} samples"
+                print(f"  done reads {layout} rep {rep}: amplification {found[-1]['amplification']:.3f}", flush=True)
     cost = position_checkpoint_cost(10**6 if args.quick else 10**7)
     print(machine_line())
     stop_ray()
@@ -433,6 +490,30 @@ def main() -> None:
         f"{cost['streaming_random_array_bytes'] / 1e6:.1f} MB"
     )
     print(
+        table(
+            [
+                "W = 4, one epoch of the x4 data",
+                "rep",
+                "bytes read / data set",
+                "largest rank / mean",
+                "slowest rank s",
+            ],
+            [
+                [
+                    f"{PARTITIONS} partitions, windows of {WINDOW}"
+                    if k == "partitions"
+                    else "1 partition, windows of 8",
+                    i,
+                    r["amplification"],
+                    r["imbalance"],
+                    r["seconds"],
+                ]
+                for k, found in reads.items()
+                for i, r in enumerate(found)
+            ],
+        )
+    )
+    print(
         "goals: data wait fraction <= 0.05 at W = 2 and 3; Parquet samples/s >= 0.95 of the materialized path's; "
         "a worker's peak RSS does not grow with the data set on the Parquet path"
     )
@@ -453,6 +534,9 @@ def main() -> None:
     print_headline(
         {
             "data_wait_fraction": pick("parquet W=2", "wait_fraction"),
+            "read_amplification": round(median([r["amplification"] for r in reads["partitions"]]), 4),
+            "read_amplification_one_partition": round(median([r["amplification"] for r in reads["one partition"]]), 4),
+            "read_imbalance": round(median([r["imbalance"] for r in reads["partitions"]]), 4),
             "data_wait_fraction_w3": pick("parquet W=3", "wait_fraction"),
             "data_wait_fraction_max_rank": pick("parquet W=2", "wait_fraction_max_rank"),
             "data_wait_fraction_max_rank_w3": pick("parquet W=3", "wait_fraction_max_rank"),

@@ -105,6 +105,7 @@ class TrainState:
     schedule: dict[str, Any] = field(default_factory=dict)  # the LR schedule's clock (`lr_rules.ScheduleClock`)
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
+    data_order: dict[str, int] = field(default_factory=dict)  # Parquet: what epoch `epoch`'s order depends on
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> TrainState:

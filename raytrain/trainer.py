@@ -701,9 +701,21 @@ class ElasticTrainer:
             if isinstance(data, ParquetIndex):
                 say(
                     f"training data: {len(data.files)} Parquet file(s), {len(data.chunk_rows)} row groups, "
-                    f"{data.num_rows} rows, {format_bytes(data.data_bytes)}; read in place in windows of "
-                    f"{data.window_chunks} row groups (<= {format_bytes(data.window_bytes)} each)"
+                    f"{data.num_rows} rows, {format_bytes(data.data_bytes)}; read in place from {data.partitions} "
+                    f"partitions in windows of {data.window_chunks} row groups (<= "
+                    f"{format_bytes(data.window_bytes)} each), each row group by one rank per epoch"
                 )
+                if spec.cluster.max_workers > data.partitions:
+                    say(
+                        f"note: up to {spec.cluster.max_workers} workers share {data.partitions} partitions, so an "
+                        f"epoch reads each row group up to {-(-spec.cluster.max_workers // data.partitions)} times; "
+                        f"ParquetSource(partitions={spec.cluster.max_workers}) reads it once"
+                        + (
+                            " (the data has only that many row groups)"
+                            if data.partitions == len(data.chunk_rows)
+                            else ""
+                        )
+                    )
             job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))

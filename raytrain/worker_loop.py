@@ -426,6 +426,10 @@ def start_run(job: WorkerJob) -> Run:
         log.print(f"WARNING: {warning}")
 
     source = _step_source(job, plan, dims, rank, device, consumed, log.print)
+    if isinstance(source, ParquetSteps) and (
+        kept := source.keep_order(state.epoch, state.sample_in_epoch, state.data_order)
+    ):
+        log.print(kept)
     total_steps = _total_steps(spec, source, state)
     decay = spec.lr.decay_steps
     fresh = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps)
@@ -779,6 +783,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         spec.to_dict(),
     )
     state.base_batch, state.peak_lr, state.schedule = run.base_batch, run.peak_lr, run.clock.to_dict()
+    state.data_order = run.source.order_params(state.epoch) if isinstance(run.source, ParquetSteps) else {}
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     _report_pending(run)
     run.commit.wait()  # the previous checkpoint is committed before this one is written

@@ -54,15 +54,17 @@ def make_trainer(
     data: str = "parquet",
     storage: str | None = None,
     keep: int = 2,
+    partitions: int = 32,
     **kwargs: Any,
 ) -> ElasticTrainer:
     """A trainer on the regression toy data with `workers` fixed workers and no retries (a failure fails).
 
     `data`: "parquet" (Parquet files under `tmp`, read in place: the default path) or "ray" (a Ray dataset,
     materialized in deterministic mode); streaming mode (`deterministic=False`) always takes a Ray dataset.
-    `storage`: a URI for the checkpoints (the run's files then go under `tmp`); default: `tmp` holds both."""
+    `storage`: a URI for the checkpoints (the run's files then go under `tmp`); default: `tmp` holds both.
+    `partitions`: the Parquet source's canonical partitions."""
     if data == "parquet" and deterministic:
-        train: Any = ParquetSource(parquet_data(rows), shuffle_window=2)
+        train: Any = ParquetSource(parquet_data(rows), shuffle_window=2, partitions=partitions)
     else:
         train = regression_dataset(rows)
     return ElasticTrainer(

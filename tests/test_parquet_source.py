@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.parquet import MAX_WINDOWS_AHEAD, OPEN_FILES, ParquetIndex, ParquetSource, ParquetSteps, as_source
-from raytrain.data.sample_order import WindowedOrder, canonical_ids, windows_between
+from raytrain.data.sample_order import PartitionedOrder, canonical_ids
 from raytrain.errors import ConfigError
 from raytrain.toy import regression_arrays, write_regression_parquet
 
@@ -23,29 +23,59 @@ from raytrain.toy import regression_arrays, write_regression_parquet
     st.integers(0, 5),
     st.integers(0, 3),
     st.integers(1, 5),
+    st.integers(1, 6),
 )
-def test_the_windowed_order_visits_every_row_once(rows: list[int], seed: int, epoch: int, window: int) -> None:
-    order = WindowedOrder(np.array(rows), seed=seed, epoch=epoch, window_chunks=window)
+def test_the_partitioned_order_visits_every_row_once(
+    rows: list[int], seed: int, epoch: int, window: int, partitions: int
+) -> None:
+    order = PartitionedOrder(np.array(rows), seed=seed, epoch=epoch, window_chunks=window, partitions=partitions)
+    assert order.partitions == min(partitions, len(rows))
     chunks, within = order.locate(np.arange(order.num_rows))
     ids = canonical_ids(np.array(rows), chunks, within)
     assert sorted(ids.tolist()) == list(range(sum(rows)))
     assert all((within < np.array(rows)[chunks]).tolist())
-    # Every window holds the rows of its chunks only: a worker needs those chunks and nothing else.
+    # A partition's rows come from its own chunks, a window's from the window's chunks: a rank holding a share of
+    # partitions needs their chunks and nothing else.
+    partition, index = order.locate_partition(np.arange(order.num_rows))
+    windows = order.window_of(partition, index)
     for w, members in enumerate(order.windows):
-        lo, hi = order.window_start[w], order.window_start[w + 1]
-        assert set(chunks[lo:hi].tolist()) == set(members.tolist())
+        assert set(chunks[windows == w].tolist()) == set(members.tolist())
+        assert set(partition[windows == w].tolist()) == {order.window_partition[w]}
+    # Round robin: while every partition has rows, consecutive positions cycle through all of them.
+    first = order.partitions * int(order.partition_rows.min())
+    assert partition[:first].tolist() == list(range(order.partitions)) * int(order.partition_rows.min())
 
 
 def test_the_order_depends_on_seed_and_epoch_only() -> None:
     rows = np.array([16, 14, 16, 14, 16, 14])
-    a = WindowedOrder(rows, seed=3, epoch=1, window_chunks=2).locate(np.arange(90))
-    b = WindowedOrder(rows, seed=3, epoch=1, window_chunks=2).locate(np.arange(90))
-    c = WindowedOrder(rows, seed=3, epoch=2, window_chunks=2).locate(np.arange(90))
+
+    def order(seed: int, epoch: int) -> PartitionedOrder:
+        return PartitionedOrder(rows, seed=seed, epoch=epoch, window_chunks=2, partitions=3)
+
+    a, b, c = (order(3, 1).locate(np.arange(90)), order(3, 1).locate(np.arange(90)), order(3, 2).locate(np.arange(90)))
     assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
     assert not (np.array_equal(a[0], c[0]) and np.array_equal(a[1], c[1]))
-    order = WindowedOrder(rows, seed=3, epoch=1, window_chunks=2)
-    assert windows_between(order, 0, 0) == []
-    assert windows_between(order, 0, 90) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_ranks_split_the_row_groups_instead_of_each_reading_them(world: int) -> None:
+    """64 row groups of 10 rows in 8 partitions, B = 32: over an epoch, each rank's share of each step touches only
+    its partitions' row groups. With W dividing P every row group is read by exactly one rank; otherwise a share's
+    boundary cuts at most W - 1 partitions, each then read by two ranks."""
+    rows = np.full(64, 10)
+    order = PartitionedOrder(rows, seed=0, epoch=0, window_chunks=2, partitions=8)
+    plan = plan_batch(32, 32, world)
+    read: list[set[int]] = [set() for _ in range(world)]
+    for begin in range(0, order.num_rows, 32):
+        partition, index = order.step_items(begin, begin + 32)
+        assert sorted(partition.tolist()) == partition.tolist()  # laid out partition by partition
+        chunks, _ = order.locate_items(partition, index)
+        for r in range(world):
+            lo = plan.rank_offset(r)
+            read[r] |= set(chunks[lo : lo + plan.per_rank_samples[r]].tolist())
+    reads = sum(len(r) for r in read)
+    assert set().union(*read) == set(range(64))
+    assert reads == 64 if 8 % world == 0 else 64 <= reads <= 64 + (world - 1) * 8
 
 
 def _index(
@@ -102,19 +132,81 @@ def test_rows_are_the_ones_the_ids_name(tmp_path: Path) -> None:
         source.close()
 
 
-def test_a_worker_holds_a_few_windows_not_the_data_set(tmp_path: Path) -> None:
-    """240 row groups in windows of 2: the bytes a rank holds stay within its step's windows plus the ones loaded
-    ahead (MAX_WINDOWS_AHEAD) over a whole epoch, far below the data set."""
-    index = _index(tmp_path, 3840, row_group=16, window=2)
+def test_a_worker_holds_a_few_windows_and_reads_its_share_once(tmp_path: Path) -> None:
+    """240 row groups in 8 partitions, windows of 2, W = 2: over a whole epoch a rank holds at most its share's
+    current windows (8 / 2 partitions) plus as many loaded ahead, far below the data set, and reads half of the
+    rows from storage, each once."""
+    write_regression_parquet(tmp_path / "data", 3840, files=3, row_group=16)
+    index = ParquetSource(tmp_path / "data", shuffle_window=2, partitions=8).index(("x", "y"), None)
     plan = plan_batch(16, 4, 2)
     source = ParquetSteps(index, seed=0, plan=plan, rank=0, device=torch.device("cpu"), drop_last=False, epochs=1)
     position = 0
     while source.next_step(0, position) is not None:
         position += 16
     window_bytes = 32 * (8 * 4 + 4 + 8)  # 32 rows of x (8 float32), y (float32) and the canonical id (int64)
-    assert 0 < source.stats.peak_bytes <= (2 + MAX_WINDOWS_AHEAD) * window_bytes
-    assert source.stats.peak_bytes / (3840 * (8 * 4 + 4 + 8)) <= 0.05
+    assert 0 < source.stats.peak_bytes <= (4 + max(4, MAX_WINDOWS_AHEAD)) * window_bytes
+    assert source.stats.peak_bytes / (3840 * (8 * 4 + 4 + 8)) <= 0.07
+    assert source.stats.rows_loaded == 3840 // 2
     source.close()
+
+
+@pytest.mark.parametrize(("partitions", "amplification"), [(1, 4.0), (8, 1.0)])
+def test_an_epoch_at_w4_reads_the_data_once_not_w_times(tmp_path: Path, partitions: int, amplification: float) -> None:
+    """Four ranks through one epoch of 40 row groups of 16 rows, windows of 4 (B = 32): the rows they load from
+    storage together are the data set once with 8 partitions; with one partition (the layout before partitions:
+    every rank's share inside the same window) four times."""
+    write_regression_parquet(tmp_path / "data", 640, files=2, row_group=16)
+    index = ParquetSource(tmp_path / "data", shuffle_window=4, partitions=partitions).index(("x", "y"), None)
+    plan = plan_batch(32, 8, 4)
+    loaded, seen = 0, []
+    for rank in range(4):
+        source = ParquetSteps(
+            index, seed=3, plan=plan, rank=rank, device=torch.device("cpu"), drop_last=False, epochs=1
+        )
+        position = 0
+        while (step := source.next_step(0, position)) is not None:
+            seen += step.ids.tolist()
+            position += 32
+        loaded += source.stats.rows_loaded
+        source.close()
+    assert sorted(seen) == list(range(640))
+    assert loaded / 640 == amplification
+
+
+def test_an_epoch_begun_in_one_order_ends_in_it_after_a_resume_with_other_partitions(tmp_path: Path) -> None:
+    """Half an epoch with partitions=8, windows of 2; resumed with partitions=3, windows of 1 (and W 2 -> 3): the
+    rest of that epoch still follows the order it began in (every row once), the next epoch the new one, and the
+    checkpoint's `data_order` says which is which. A changed data set is named instead."""
+    write_regression_parquet(tmp_path / "data", 640, files=2, row_group=16)
+    before = ParquetSource(tmp_path / "data", shuffle_window=2, partitions=8).index(("x", "y"), None)
+    after = ParquetSource(tmp_path / "data", shuffle_window=1, partitions=3).index(("x", "y"), None)
+
+    def source(index: ParquetIndex, world: int, rank: int) -> ParquetSteps:
+        plan = plan_batch(32, 8, world)
+        return ParquetSteps(index, seed=5, plan=plan, rank=rank, device=torch.device("cpu"), drop_last=False, epochs=3)
+
+    first = [source(before, 2, r) for r in range(2)]
+    seen = [i for position in range(0, 320, 32) for s in first for i in s.next_step(0, position).ids.tolist()]
+    stored = first[0].order_params(0)
+    assert stored == {"row_groups": 40, "rows": 640, "partitions": 8, "shuffle_window": 2}
+    resumed = [source(after, 3, r) for r in range(3)]
+    notes = {s.keep_order(0, 320, stored) for s in resumed}
+    assert notes == {
+        "data order: epoch 0 began with partitions=8, shuffle_window=2 and ends in that order (every sample once); "
+        "epochs from 1 use partitions=3, shuffle_window=1"
+    }
+    seen += [i for position in range(320, 640, 32) for s in resumed for i in s.next_step(0, position).ids.tolist()]
+    assert sorted(seen) == list(range(640))
+    assert resumed[0].order_params(0) == stored and resumed[0].order_params(1) == after.order_params()
+    fresh = [source(after, 3, r) for r in range(3)]
+    assert [i for s in resumed for i in s.next_step(1, 0).ids.tolist()] == [
+        i for s in fresh for i in s.next_step(1, 0).ids.tolist()
+    ]
+    assert fresh[0].keep_order(1, 0, stored) is None  # at an epoch's start there is nothing to keep
+    grown = {**stored, "rows": 600}
+    assert "WARNING: the training data changed since the checkpoint (600 rows" in str(fresh[1].keep_order(0, 64, grown))
+    for s in first + resumed + fresh:
+        s.close()
 
 
 def test_bad_sources_are_named(tmp_path: Path) -> None:
@@ -125,6 +217,8 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
         ParquetSource(tmp_path / "empty").resolve()
     with pytest.raises(ConfigError, match="shuffle_window must be an int >= 1"):
         ParquetSource(tmp_path, shuffle_window=0)
+    with pytest.raises(ConfigError, match=r"partitions must be an int >= 1 \(canonical partitions\), got 0"):
+        ParquetSource(tmp_path, partitions=0)
     write_regression_parquet(tmp_path / "data", 10, files=1)
     with pytest.raises(ConfigError, match=r"no column\(s\) \['label'\]"):
         ParquetSource(tmp_path / "data").index(("x", "label"), None)

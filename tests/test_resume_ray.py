@@ -28,18 +28,19 @@ ROWS = 128
 def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
     ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run at B=16 stopped after a checkpoint, resumed at B=32 to the end of the epoch: every sample exactly
-    once, the peak LR rescaled by the linear rule from the first start's batch (base_batch was not given), and the
-    cosine schedule continued where it was: the factor at the resume step is the one the first start had there (it
-    jumped before: the run's length in steps changed), and the schedule ends with the run."""
+    """A run at B=16 stopped after a checkpoint, resumed at B=32 and with fewer Parquet partitions to the end of the
+    epoch: every sample exactly once (the epoch ends in the order it began in), the peak LR rescaled by the linear
+    rule from the first start's batch (base_batch was not given), and the cosine schedule continued where it was:
+    the factor at the resume step is the one the first start had there (it jumped before: the run's length in steps
+    changed), and the schedule ends with the run."""
     options = {"workers": 2, "rows": ROWS, "epochs": 1, "audit": True}
     # planned for the whole epoch (8 steps at B=16), stopped by a crash in step 5 (no retries)
     lr = LRConfig(base_lr=0.1, rule="linear", schedule="cosine", min_lr_ratio=0.1)
     monkeypatch.setenv("RAYTRAIN_FAULTS", "0:5:forward")
     with pytest.raises(Exception, match=r"(?i)fail"):
-        make_trainer(tmp_path, "grow", global_batch=16, every=2, lr=lr, **options).fit()  # type: ignore[arg-type]
+        make_trainer(tmp_path, "grow", global_batch=16, every=2, lr=lr, partitions=8, **options).fit()  # type: ignore[arg-type]
     monkeypatch.delenv("RAYTRAIN_FAULTS")
-    result = make_trainer(tmp_path, "grow", global_batch=32, lr=lr, **options).fit()  # type: ignore[arg-type]
+    result = make_trainer(tmp_path, "grow", global_batch=32, lr=lr, partitions=3, **options).fit()  # type: ignore[arg-type]
     resumed = read_jsonl(result.events_path)[-1]["step"]  # 2 or 4 (a crash may beat the last commit)
     metrics = list({m["step"]: m for m in read_jsonl(result.metrics_path)}.values())  # the last of a step retrained
     left = ROWS - 16 * resumed
@@ -57,6 +58,7 @@ def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
     assert (
         f"the run now ends at step {end} (was 8): the LR schedule continues from schedule step {resumed} of 8"
     ) in log
+    assert "data order: epoch 0 began with partitions=8, shuffle_window=2 and ends in that order" in log
 
 
 def test_streaming_run_resumed_mid_epoch_at_a_larger_batch_then_extended_trains_every_epoch(

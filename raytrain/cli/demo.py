@@ -705,7 +705,7 @@ def _demo_data(options: DemoOptions, run_name: str, rows: int, features: int) ->
         shutil.rmtree(directory, ignore_errors=True)
         write_regression_parquet(directory, rows, features, options.seed, files=4, row_group=64)
         open(marker, "w").close()
-    return ParquetSource(directory, shuffle_window=4)
+    return ParquetSource(directory)
 
 
 def run_demo(options: DemoOptions) -> dict[str, Any]:

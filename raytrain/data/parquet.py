@@ -3,18 +3,21 @@ world-size-independent order, with bounded memory per worker.
 
     datasets={"train": raytrain.ParquetSource("s3://bucket/train/")}    # or a local directory / file list
 
-On the driver, `ParquetSource.index` reads only the files' footers: the canonical partition is the list of
-(file, row group, rows) with files sorted by path. Every worker then follows `raytrain.data.sample_order.WindowedOrder`
-(a seeded permutation of row groups, a seeded shuffle of rows within windows of `shuffle_window` row groups): the
-global batch of a step is the next B positions of the epoch's order, and rank r reads the windows its slice
-touches from the files, never from object-store copies that vanish with a node. A background thread loads the
-windows of the next steps ahead of time, looking as many steps ahead as a window load takes (measured), so the
-loop does not wait on data in steady state; windows behind the position are dropped. The checkpoint holds the
-position (epoch, samples consumed in it) only: constant size, and a restart at any world size resumes exactly.
+On the driver, `ParquetSource.index` reads only the files' footers: the canonical chunks are the (file, row group,
+rows) with files sorted by path. Every worker then follows `raytrain.data.sample_order.PartitionedOrder` (row groups
+dealt to `partitions` canonical partitions per epoch, rows shuffled within windows of `shuffle_window` row groups of
+a partition, partitions interleaved): the global batch of a step is the next B positions of the epoch's order, laid
+out partition by partition, and rank r takes its contiguous share of that layout. A rank therefore reads the row
+groups of about P / W partitions, and each row group of an epoch is read by one rank (two where a share's
+boundary cuts a partition), from the files, never from object-store copies that vanish with a node. A background
+thread loads the windows of the next steps ahead of time, looking as many steps ahead as a window load takes
+(measured), so the loop does not wait on data in steady state; windows behind the position are dropped. The
+checkpoint holds the position (epoch, samples consumed in it) only: constant size, and a restart at any world size
+resumes exactly.
 
-Memory per worker: the windows of its current slice plus at most `MAX_WINDOWS_AHEAD` more, whatever the data
-set's size. Cost: every rank reads every window it touches, so an epoch reads the data set about W times in total (each
-rank's memory stays a few windows); sample ids are the rows' canonical indices unless `id_column` names a column.
+Memory per worker: the current window of each partition in its share (about P / W windows) plus the windows
+loaded ahead, whatever the data set's size. With W > P a partition is shared by about W / P ranks, each reading
+it; sample ids are the rows' canonical indices unless `id_column` names a column.
 """
 
 from __future__ import annotations
@@ -25,13 +28,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from raytrain.data.id_ranges import IdRanges
-from raytrain.data.sample_order import WindowedOrder, canonical_ids, windows_between
+from raytrain.data.sample_order import PartitionedOrder, canonical_ids
 from raytrain.errors import ConfigError
 
 
@@ -44,17 +47,25 @@ class ParquetSource:
             pyarrow understands (`s3://bucket/prefix`, `gs://...`). Local paths must be visible to every node.
         filesystem: a `pyarrow.fs.FileSystem` to read `paths` with (e.g. `S3FileSystem(endpoint_override=...)`);
             None derives it from the URI (credentials from the environment) or uses the local file system.
-        shuffle_window: row groups per shuffle window (>= 1): rows mix within a window, windows come in random
-            order. Memory per worker is about two windows plus the prefetch.
+        shuffle_window: row groups per shuffle window of a partition (>= 1): rows mix within a window, and
+            every batch mixes the current windows of all partitions.
+        partitions: canonical partitions P (>= 1; at most the number of row groups is used). Ranks split the
+            partitions, so each row group is read by about max(1, W / P) ranks per epoch: keep P >= the most
+            workers you run. Memory per worker is about P / W windows (plus the prefetch). Part of the sample
+            order: changing it (or `shuffle_window`) mid-epoch changes which samples the rest of the epoch holds.
     """
 
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
     filesystem: Any = None
-    shuffle_window: int = 8
+    shuffle_window: int = 1
+    partitions: int = 32
 
     def __post_init__(self) -> None:
-        if isinstance(self.shuffle_window, bool) or not isinstance(self.shuffle_window, int) or self.shuffle_window < 1:
-            raise ConfigError(f"shuffle_window must be an int >= 1 (row groups), got {self.shuffle_window!r}")
+        for name in ("shuffle_window", "partitions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                unit = "row groups" if name == "shuffle_window" else "canonical partitions"
+                raise ConfigError(f"{name} must be an int >= 1 ({unit}), got {value!r}")
         paths = [self.paths] if isinstance(self.paths, str | os.PathLike) else list(self.paths)
         if not paths:
             raise ConfigError("ParquetSource needs at least one path, got none")
@@ -129,6 +140,7 @@ class ParquetSource:
             columns=columns,
             id_column=id_column,
             window_chunks=self.shuffle_window,
+            partitions=min(self.partitions, len(chunk_rows)),
         )
 
 
@@ -151,6 +163,7 @@ class ParquetIndex:
     columns: tuple[str, ...]  # the columns read (the required ones and the id column)
     id_column: str | None
     window_chunks: int
+    partitions: int  # canonical partitions actually used (at most the number of row groups)
 
     @property
     def num_rows(self) -> int:
@@ -164,13 +177,28 @@ class ParquetIndex:
 
     @property
     def window_bytes(self) -> int:
-        """Uncompressed bytes of the largest shuffle window (a bound on any epoch's windows)."""
+        """Uncompressed bytes of the largest shuffle window (a bound on any epoch's windows, of any partition)."""
         largest = np.sort(self.chunk_bytes)[::-1][: self.window_chunks]
         return int(largest.sum())
 
-    def order(self, seed: int, epoch: int) -> WindowedOrder:
+    def order_params(self) -> dict[str, int]:
+        """What the sample order depends on besides (seed, epoch): stored in every checkpoint (`data_order`)."""
+        return {
+            "row_groups": len(self.chunk_rows),
+            "rows": self.num_rows,
+            "partitions": self.partitions,
+            "shuffle_window": self.window_chunks,
+        }
+
+    def with_order(self, partitions: int, shuffle_window: int) -> ParquetIndex:
+        """The same data in the order of other `partitions` and `shuffle_window`."""
+        return replace(self, partitions=min(partitions, len(self.chunk_rows)), window_chunks=shuffle_window)
+
+    def order(self, seed: int, epoch: int) -> PartitionedOrder:
         """The sample order of `epoch`."""
-        return WindowedOrder(self.chunk_rows, seed=seed, epoch=epoch, window_chunks=self.window_chunks)
+        return PartitionedOrder(
+            self.chunk_rows, seed=seed, epoch=epoch, window_chunks=self.window_chunks, partitions=self.partitions
+        )
 
     def read_chunks(
         self, chunks: Sequence[int] | np.ndarray, files: dict[int, Any] | None = None
@@ -210,7 +238,7 @@ class ParquetIndex:
 
 OPEN_FILES = 16  # Parquet file handles a worker keeps open (their footers are parsed once)
 STEPS_AHEAD = 4  # this rank's slices of at most this many next steps are assembled ahead (at least 1)
-MAX_WINDOWS_AHEAD = 2  # loaded ahead of the current step at most: a worker holds its step's windows + this many
+MAX_WINDOWS_AHEAD = 2  # windows loaded ahead of the current step's: at most this many, or as many as it touches
 
 
 @dataclass
@@ -224,6 +252,7 @@ class PrefetchStats:
     """What the prefetcher measured (rank-local): window load times, the step interval and the bytes held."""
 
     load_s: list[float] = field(default_factory=list)  # the latest window loads (seconds)
+    rows_loaded: int = 0  # rows read from storage (every window load counted, again when loaded again)
     held_bytes: int = 0
     peak_bytes: int = 0
     lookahead: int = 0
@@ -251,7 +280,8 @@ class ParquetSteps:
         self.replica_ranks = replica_ranks  # the global rank holding each replica's slice (None: rank r holds r's)
         self.num_rows = index.num_rows
         self.stats = PrefetchStats()
-        self._orders: dict[int, WindowedOrder] = {}
+        self._orders: dict[int, PartitionedOrder] = {}
+        self._kept: tuple[int, ParquetIndex] | None = None  # (epoch, its index) of an epoch begun in another order
         self._cache: OrderedDict[tuple[int, int], Future[_Window]] = OrderedDict()
         self._lock = threading.Lock()
         self._order_lock = threading.RLock()
@@ -268,12 +298,41 @@ class ParquetSteps:
         self._calls = 0
         self._told = False
 
-    def _order(self, epoch: int) -> WindowedOrder:
+    def _order(self, epoch: int) -> PartitionedOrder:
         with self._order_lock:
             if epoch not in self._orders:
                 self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-                self._orders[epoch] = self.index.order(self.seed, epoch)
+                self._orders[epoch] = self._index_of(epoch).order(self.seed, epoch)
             return self._orders[epoch]
+
+    def _index_of(self, epoch: int) -> ParquetIndex:
+        return self._kept[1] if self._kept is not None and self._kept[0] == epoch else self.index
+
+    def order_params(self, epoch: int) -> dict[str, int]:
+        """The order parameters epoch `epoch` is read in (what a checkpoint stores as `data_order`)."""
+        return self._index_of(epoch).order_params()
+
+    def keep_order(self, epoch: int, sample_in_epoch: int, stored: dict[str, int]) -> str | None:
+        """After a resume mid-epoch: finish epoch `epoch` in the order it was begun in (`stored`, the checkpoint's
+        `data_order`) when the source's `partitions` or `shuffle_window` changed since, so that every sample of
+        it is still seen once; later epochs use the new values. Returns the line to log (None: nothing changed),
+        a warning when the data itself changed (its rest of the epoch then follows the new data's order)."""
+        current = self.index.order_params()
+        if not stored or sample_in_epoch == 0 or stored == current:
+            return None
+        if (stored.get("row_groups"), stored.get("rows")) != (current["row_groups"], current["rows"]):
+            return (
+                f"WARNING: the training data changed since the checkpoint ({stored.get('rows')} rows in "
+                f"{stored.get('row_groups')} row groups, now {current['rows']} in {current['row_groups']}): the rest "
+                f"of epoch {epoch} follows the new data's order, so samples of it may repeat or be missed"
+            )
+        self._kept = (epoch, self.index.with_order(stored["partitions"], stored["shuffle_window"]))
+        self._orders.pop(epoch, None)
+        return (
+            f"data order: epoch {epoch} began with partitions={stored['partitions']}, shuffle_window="
+            f"{stored['shuffle_window']} and ends in that order (every sample once); epochs from {epoch + 1} use "
+            f"partitions={current['partitions']}, shuffle_window={current['shuffle_window']}"
+        )
 
     def _load(self, epoch: int, window: int) -> _Window:
         began = time.perf_counter()
@@ -281,6 +340,7 @@ class ParquetSteps:
         with self._read_lock:  # one reader at a time on the cached file handles
             columns = self.index.read_chunks(chunks, self._files)
         self.stats.load_s.append(time.perf_counter() - began)
+        self.stats.rows_loaded += int(self.index.chunk_rows[chunks].sum())
         del self.stats.load_s[:-20]
         return _Window(columns, sum(v.nbytes for v in columns.values()))
 
@@ -291,10 +351,18 @@ class ParquetSteps:
                 self._cache[key] = self._loader.submit(self._load, epoch, window)
             return self._cache[key]
 
-    def _slice(self, epoch: int, begin: int, plan: Any) -> tuple[int, int]:
-        """This rank's positions [start, end) of the step of `plan` that starts at `begin`."""
-        start = begin + plan.rank_offset(self.rank)
-        return start, start + plan.per_rank_samples[self.rank]
+    def _slice(self, epoch: int, begin: int, plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """This rank's share of the step of `plan` that starts at `begin`: (partition, index within partition,
+        window) of each of its samples, in the step's partition-by-partition layout."""
+        with self._order_lock:
+            order = self._order(epoch)
+            partition, index = order.step_items(begin, begin + plan.global_batch)
+            lo = plan.rank_offset(self.rank)
+            partition, index = (
+                partition[lo : lo + plan.per_rank_samples[self.rank]],
+                index[lo : lo + plan.per_rank_samples[self.rank]],
+            )
+            return partition, index, order.window_of(partition, index)
 
     def _lookahead(self) -> int:
         """Steps to load ahead: as many as a window load takes at the measured step interval, plus one
@@ -323,17 +391,18 @@ class ParquetSteps:
         needed: set[tuple[int, int]] = set()
         covered: list[tuple[int, int]] = []
         position: tuple[int, int] | None = (epoch, sample_in_epoch)
-        ahead = 0  # windows beyond the current step's, capped so that memory stays bounded by windows
+        ahead, cap = 0, MAX_WINDOWS_AHEAD  # windows beyond the current step's: memory stays bounded by windows
         for _ in range(lookahead + 1):
             if position is None:
                 break
-            start, end = self._slice(position[0], position[1], self._plan_at(position[1]))
-            order = self._order(position[0])
-            for window in windows_between(order, start, end):
+            windows = self._slice(position[0], position[1], self._plan_at(position[1]))[2]
+            if position == (epoch, sample_in_epoch):  # a step's windows roll over together: as many may load ahead
+                cap = max(MAX_WINDOWS_AHEAD, len(np.unique(windows)))
+            for window in dict.fromkeys(windows.tolist()):
                 if (position[0], window) not in needed:
-                    if position[1] != sample_in_epoch or position[0] != epoch:
+                    if position != (epoch, sample_in_epoch):
                         ahead += 1
-                    if ahead > MAX_WINDOWS_AHEAD:
+                    if ahead > cap:
                         return needed, covered[1:]
                     needed.add((position[0], window))
                     self._window(position[0], window)
@@ -414,20 +483,17 @@ class ParquetSteps:
         from raytrain.data.materialized import StepData, to_tensors
 
         plan = self._plan_at(sample_in_epoch)
-        start, end = self._slice(epoch, sample_in_epoch, plan)
-        order = self._order(epoch)
-        positions = np.arange(start, end, dtype=np.int64)
-        windows = order.window_of(positions)
+        _, index, windows = self._slice(epoch, sample_in_epoch, plan)
         rows: dict[str, np.ndarray] = {}
-        for window in windows_between(order, start, end):
+        for window in dict.fromkeys(windows.tolist()):
             data = self._window(epoch, window).result().columns
             mask = windows == window
             with self._order_lock:
-                index = order.rows_in_window(window, positions[mask])
+                within = self._order(epoch).rows_in_window(window, index[mask])
             for name, column in data.items():
                 if name not in rows:
-                    rows[name] = np.empty((len(positions), *column.shape[1:]), dtype=column.dtype)
-                rows[name][mask] = column[index]
+                    rows[name] = np.empty((len(index), *column.shape[1:]), dtype=column.dtype)
+                rows[name][mask] = column[within]
         if not rows:  # an empty slice (a rank without samples in a final partial step)
             rows = self.index.head(0)
         ids = rows.pop("__id__", None) if self.index.id_column is None else rows[self.index.id_column]

@@ -1,16 +1,23 @@
-"""The sample order of an epoch over a fixed partition of the data: a pure function of (seed, epoch, partition).
+"""The sample order of an epoch over a fixed partition of the data: a pure function of (seed, epoch, the chunks'
+row counts, window, partitions), never of the number of workers.
 
-The data is a list of chunks (Parquet row groups) in a canonical order, each with its row count. Epoch e visits
-them as follows:
-    1. the chunks are permuted with a generator seeded by (seed, e);
-    2. consecutive runs of `window_chunks` chunks of that permutation form windows;
-    3. the rows of each window (its chunks' rows concatenated in permuted order) are shuffled with a generator
-       seeded by (seed, e, window).
-Global position p of the epoch is the p-th row of the windows laid end to end. Nothing here depends on the
-number of workers, so the global batch of every step (positions [p, p + B)) is the same at every world size and
-after any restart; a worker needs only the windows its slice of a step touches, so its memory is bounded by a few
-windows, not by the data set. The shuffle is two-level (as in Mosaic's StreamingDataset): rows mix freely within
-a window and windows come in random order; a bigger window mixes more and costs more memory per worker.
+The data is a list of chunks (Parquet row groups) in a canonical order, each with its row count. Epoch e:
+    1. permutes the chunks with a generator seeded by (seed, e) and deals them to P canonical partitions
+       (partition c gets chunks c, c + P, c + 2P, ... of the permutation; P = min(partitions, chunks));
+    2. cuts each partition's chunks into windows of `window_chunks` consecutive chunks and shuffles the rows of
+       each window with a generator seeded by (seed, e, c, window): partition c's own sequence of rows;
+    3. interleaves the P sequences round robin (position p of the epoch is the next row of partition p mod P while
+       all partitions have rows; a partition that runs out drops out of the rotation).
+A step of B samples is positions [p, p + B): about B / P rows from each partition. Its samples are then laid out
+partition by partition (`PartitionedOrder.step_items`) and rank r takes the r-th contiguous share of that layout,
+so a rank's share covers about P / W whole partitions and the ranks split the epoch's rows by partition: each row
+group is read by one rank (two where a share's boundary falls inside a partition), not by every rank. Nothing
+here depends on W: the global batch of every step is the same set of samples, in the same layout, at every world
+size and after any restart.
+
+Trade-offs (see docs/architecture.md): a rank holds the current window of each partition in its share, about
+P / W windows (more partitions: fewer reads per byte at large W, more memory per rank at small W); rows mix within
+a window and every batch mixes P windows; W > P shares a partition between W / P ranks, each reading it.
 """
 
 from __future__ import annotations
@@ -18,52 +25,119 @@ from __future__ import annotations
 import numpy as np
 
 
-class WindowedOrder:
-    """The order of epoch `epoch` over chunks with `chunk_rows` rows each (see the module docstring)."""
+class PartitionedOrder:
+    """The order of epoch `epoch` over chunks with `chunk_rows` rows each (see the module docstring).
 
-    def __init__(self, chunk_rows: np.ndarray, *, seed: int, epoch: int, window_chunks: int) -> None:
+    Windows are numbered partition by partition: partition c's windows are `window_base[c]` to
+    `window_base[c + 1] - 1`; `windows[w]` lists the chunks of window w in the order its rows are concatenated.
+    """
+
+    def __init__(self, chunk_rows: np.ndarray, *, seed: int, epoch: int, window_chunks: int, partitions: int) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be >= 1, got {window_chunks}")
+        if partitions < 1:
+            raise ValueError(f"partitions must be >= 1, got {partitions}")
         self.chunk_rows = np.asarray(chunk_rows, dtype=np.int64)
+        if len(self.chunk_rows) == 0 or (self.chunk_rows <= 0).any():
+            raise ValueError("every chunk must hold at least one row, and there must be one")
         self.seed, self.epoch, self.window_chunks = seed, epoch, window_chunks
-        chunk_order = np.random.default_rng([seed, epoch]).permutation(len(self.chunk_rows))
-        self.windows = [chunk_order[i : i + window_chunks] for i in range(0, len(chunk_order), window_chunks)]
+        self.partitions = min(partitions, len(self.chunk_rows))
+        dealt = np.random.default_rng([seed, epoch]).permutation(len(self.chunk_rows))
+        self.windows: list[np.ndarray] = []
+        self.window_partition: list[int] = []
+        base = [0]
+        for c in range(self.partitions):
+            members = dealt[c :: self.partitions]
+            for i in range(0, len(members), window_chunks):
+                self.windows.append(members[i : i + window_chunks])
+                self.window_partition.append(c)
+            base.append(len(self.windows))
+        self.window_base = np.array(base, dtype=np.int64)
         self.window_rows = np.array([self.chunk_rows[w].sum() for w in self.windows], dtype=np.int64)
-        self.window_start = np.concatenate([[0], np.cumsum(self.window_rows)]).astype(np.int64)
-        self.num_rows = int(self.window_start[-1])
+        # Where each window starts within its partition's sequence (index of its first row there).
+        self.window_offset = np.zeros(len(self.windows), dtype=np.int64)
+        self.partition_rows = np.zeros(self.partitions, dtype=np.int64)
+        for c in range(self.partitions):
+            lo, hi = self.window_base[c], self.window_base[c + 1]
+            rows = self.window_rows[lo:hi]
+            self.window_offset[lo:hi] = np.concatenate([[0], np.cumsum(rows)[:-1]])
+            self.partition_rows[c] = rows.sum()
+        self.num_rows = int(self.partition_rows.sum())
+        # The round robin in phases: in phase k every partition holding more than `level[k-1]` rows gives one row
+        # per turn, for rows level[k-1] .. level[k] - 1 of each; phase k starts at epoch position `phase_start[k]`.
+        self._levels = np.unique(self.partition_rows)
+        self._active = [np.flatnonzero(self.partition_rows >= level) for level in self._levels]
+        previous = np.concatenate([[0], self._levels[:-1]])
+        lengths = np.array([len(a) for a in self._active], dtype=np.int64) * (self._levels - previous)
+        self._previous = previous
+        self._phase_start = np.concatenate([[0], np.cumsum(lengths)])
         self._permutations: dict[int, np.ndarray] = {}
 
-    def window_of(self, positions: np.ndarray) -> np.ndarray:
-        """The window of each global position (0 <= p < num_rows)."""
-        return np.searchsorted(self.window_start, positions, side="right") - 1
+    def locate_partition(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(partition, index within the partition's sequence) of each epoch position (0 <= p < num_rows)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        phase = np.searchsorted(self._phase_start, positions, side="right") - 1
+        partition = np.empty(len(positions), dtype=np.int64)
+        index = np.empty(len(positions), dtype=np.int64)
+        for k in np.unique(phase):
+            mask = phase == k
+            active = self._active[int(k)]
+            offset = positions[mask] - self._phase_start[k]
+            partition[mask] = active[offset % len(active)]
+            index[mask] = self._previous[k] + offset // len(active)
+        return partition, index
+
+    def step_items(self, begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The samples at epoch positions [begin, end) laid out partition by partition (by position within a
+        partition): (partition, index within partition) arrays. Rank r's share is a contiguous slice of them."""
+        positions = np.arange(begin, end, dtype=np.int64)
+        partition, index = self.locate_partition(positions)
+        layout = np.lexsort((positions, partition))
+        return partition[layout], index[layout]
+
+    def window_of(self, partition: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """The window (global number) of each (partition, index within the partition)."""
+        partition = np.asarray(partition, dtype=np.int64)
+        index = np.asarray(index, dtype=np.int64)
+        out = np.empty(len(partition), dtype=np.int64)
+        for c in np.unique(partition):
+            mask = partition == c
+            lo, hi = int(self.window_base[c]), int(self.window_base[c + 1])
+            out[mask] = lo + np.searchsorted(self.window_offset[lo:hi], index[mask], side="right") - 1
+        return out
 
     def permutation(self, window: int) -> np.ndarray:
         """Row shuffle of `window`: local position q -> index into the window's concatenated chunk rows."""
         if window not in self._permutations:
-            rng = np.random.default_rng([self.seed, self.epoch, 1, window])
+            c = self.window_partition[window]
+            rng = np.random.default_rng([self.seed, self.epoch, 1, c, window - int(self.window_base[c])])
             self._permutations[window] = rng.permutation(int(self.window_rows[window]))
-            if len(self._permutations) > 4:  # a step touches one or two windows; keep the recent ones
+            if len(self._permutations) > 4 * self.partitions:  # keep those of the windows in use
                 self._permutations.pop(next(iter(self._permutations)))
         return self._permutations[window]
 
-    def rows_in_window(self, window: int, positions: np.ndarray) -> np.ndarray:
-        """For global `positions` inside `window`: their row indices in the window's concatenated chunks."""
-        return self.permutation(window)[positions - self.window_start[window]]
+    def rows_in_window(self, window: int, index: np.ndarray) -> np.ndarray:
+        """For partition indices `index` inside `window`: their row indices in the window's concatenated chunks."""
+        return self.permutation(window)[np.asarray(index, dtype=np.int64) - self.window_offset[window]]
 
     def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(chunk, row within chunk) of each global position, in the canonical chunk numbering."""
-        positions = np.asarray(positions, dtype=np.int64)
-        chunks = np.empty(len(positions), dtype=np.int64)
-        rows = np.empty(len(positions), dtype=np.int64)
-        windows = self.window_of(positions)
+        """(chunk, row within chunk) of each epoch position, in the canonical chunk numbering."""
+        partition, index = self.locate_partition(positions)
+        return self.locate_items(partition, index)
+
+    def locate_items(self, partition: np.ndarray, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk, row within chunk) of each (partition, index within the partition)."""
+        windows = self.window_of(partition, index)
+        chunks = np.empty(len(windows), dtype=np.int64)
+        rows = np.empty(len(windows), dtype=np.int64)
         for window in np.unique(windows):
             mask = windows == window
-            index = self.rows_in_window(int(window), positions[mask])
+            local = self.rows_in_window(int(window), np.asarray(index)[mask])
             members = self.windows[int(window)]
             starts = np.concatenate([[0], np.cumsum(self.chunk_rows[members])])
-            slot = np.searchsorted(starts, index, side="right") - 1
+            slot = np.searchsorted(starts, local, side="right") - 1
             chunks[mask] = members[slot]
-            rows[mask] = index - starts[slot]
+            rows[mask] = local - starts[slot]
         return chunks, rows
 
 
@@ -71,11 +145,3 @@ def canonical_ids(chunk_rows: np.ndarray, chunks: np.ndarray, rows: np.ndarray) 
     """Sample ids without an id column: the row's index in the canonical order of all chunks."""
     starts = np.concatenate([[0], np.cumsum(np.asarray(chunk_rows, dtype=np.int64))])
     return starts[chunks] + rows
-
-
-def windows_between(order: WindowedOrder, begin: int, end: int) -> list[int]:
-    """The windows that global positions [begin, end) touch, in order (empty when begin >= end)."""
-    if begin >= end:
-        return []
-    first, last = order.window_of(np.array([begin, end - 1]))
-    return list(range(int(first), int(last) + 1))
