@@ -30,11 +30,7 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     step, 0.08 s of sleep as the demo's compute, a tiny checkpoint every 4 steps as the demo's)
     bare restart    SIGKILL of one of its workers -> the first step completed by the new group (`bare_sigkill_s`,
                     raytrain's `sigkill_s` end point) and -> the first step beyond the pre-kill one (`bare back s`)
-    checkpoints     a fixed 3-worker run checkpointing every 5 steps vs the same run without checkpoints:
-                    the extra wall time of steps 11-60 over the run without, with the files written in the
-                    background (`checkpoint_overhead_fraction`, the default) and on the training thread
-                    (`..._sync`), and where it goes: the median gap between logged steps at each position of
-                    the 5-step cycle
+(What checkpoints cost a run is measured in `checkpoint_cost.py`, with steps of real compute.)
 
 Each recovery is split into phases from the run's events.jsonl: Ray (event -> training function entered by
 the next group: failure detection, teardown, placement, worker start, process group), of which raytrain's own wait
@@ -88,7 +84,6 @@ AUTOSCALE_RUN = [
     "--idle-timeout",
     "8",
 ]
-FIXED_RUN = ["--nodes", "3", "--workers", "3", "--events", "none", "--steps", "60", "--sample-time", "0.01"]
 # Live recovery: the same cluster and workers as the restart path's kill, two kills far enough apart for the first
 # replacement to join (it builds in seconds on this machine), and the same run without events as the reference.
 # 160 steps (~30 s): long enough after each kill for its replacement (~10 s to start here) to join, so that the
@@ -211,43 +206,6 @@ def autoscale(storage: str) -> dict[str, Any]:
     }
 
 
-def run_gaps(name: str, storage: str, flags: list[str]) -> list[float]:
-    """Seconds between consecutive logged steps 10..60 of a fixed 3-worker run with the demo `flags` (50 gaps;
-    the first one ends at step 11)."""
-    summary = demo(name, storage, [*FIXED_RUN, *flags])
-    times = [m["time"] for m in read_jsonl(os.path.join(summary["run_dir"], "metrics.jsonl"))]
-    return [later - earlier for earlier, later in itertools.pairwise(times[9:60])]
-
-
-CHECKPOINT_MODES = {  # name -> demo flags; "none" is the baseline
-    "background": ["--checkpoint-every", "5"],
-    "sync": ["--checkpoint-every", "5", "--no-background-save"],
-    "none": ["--checkpoint-every", str(10**6)],
-}
-
-
-def checkpoint_overhead(storage: str, reps: int) -> dict[str, Any]:
-    """Extra wall time of checkpointing every 5 steps, written in the background (the default) and on the
-    training thread, as a fraction of the same run without checkpoints (runs alternated; the median of the
-    per-repetition fractions of steps 11-60's wall time), and the profile: the median gap before each position of
-    the 5-step cycle (position 1 follows the checkpointing step: the copy to host memory, or the whole write; 2
-    the step whose end reports a background checkpoint: manifest, `ray.train.report`)."""
-    gaps: dict[str, list[list[float]]] = {mode: [] for mode in CHECKPOINT_MODES}
-    for rep in range(reps):
-        for mode, flags in CHECKPOINT_MODES.items():
-            gaps[mode].append(run_gaps(f"ckpt_{mode}_{rep}", storage, flags))
-    walls = {mode: [sum(run) for run in runs] for mode, runs in gaps.items()}
-    fractions = {
-        mode: median([(a - b) / b for a, b in zip(walls[mode], walls["none"], strict=True)])
-        for mode in ("background", "sync")
-    }
-    profile = {
-        mode: [median([g for run in runs for i, g in enumerate(run) if (11 + i) % 5 == pos % 5]) for pos in range(1, 6)]
-        for mode, runs in gaps.items()
-    }
-    return {"walls_s": walls, "fraction": fractions, "profile_s": profile}
-
-
 def _bare_train_func(config: dict[str, Any]) -> None:
     """A bare Ray Train loop with the demo's rhythm: each step 0.08 s of sleep (the compute) and a gloo all-reduce
     (the gradient sync); every 4 steps a tiny checkpoint (the step) reported by every rank; it resumes from Ray
@@ -338,7 +296,6 @@ def main() -> int:
     live_row = live(storage)
     bare = bare_ray_train(storage)
     auto = autoscale(storage)
-    costs = checkpoint_overhead(storage, 1 if args.quick else 3)
 
     print(
         table(
@@ -424,24 +381,6 @@ def main() -> int:
             ],
         )
     )
-    print(
-        table(
-            ["checkpoints every 5", *(f"steps 11-60, {mode} (s)" for mode in CHECKPOINT_MODES)],
-            [
-                [f"repetition {i + 1}", *(f"{costs['walls_s'][mode][i]:.3f}" for mode in CHECKPOINT_MODES)]
-                for i in range(len(costs["walls_s"]["none"]))
-            ],
-        )
-    )
-    print(
-        table(
-            ["step after a checkpoint", *(f"median gap, {mode} (ms)" for mode in CHECKPOINT_MODES)],
-            [
-                [position, *(f"{costs['profile_s'][mode][position - 1] * 1000:.1f}" for mode in CHECKPOINT_MODES)]
-                for position in range(1, 6)
-            ],
-        )
-    )
     headline = {
         "node_loss_s": round(rows["remove"]["recovery_s"], 2),
         "sigkill_s": round(rows["kill"]["recovery_s"], 2),
@@ -461,8 +400,6 @@ def main() -> int:
         "replace_s": auto["replace_s"],
         "autoscale_scale_down_s": auto["scale_down_s"],
         "autoscale_extra_nodes": auto["extra_nodes"],
-        "checkpoint_overhead_fraction": round(costs["fraction"]["background"], 4),
-        "checkpoint_overhead_fraction_sync": round(costs["fraction"]["sync"], 4),
         **live_headline(live_row),
         "settings": settings(),
     }
@@ -472,7 +409,6 @@ def main() -> int:
         "sigkill_s": headline["sigkill_back_s"] <= headline["bare_sigkill_back_s"] + 3,
         "node_loss_s": headline["node_loss_back_s"] <= headline["bare_sigkill_back_s"] + 5,
         "node_add_s": headline["node_add_s"] <= MONITOR_INTERVAL_S + headline["bare_start_s"] + 3,
-        "checkpoint_overhead_fraction": headline["checkpoint_overhead_fraction"] <= 0.05,
         **live_goals(headline),
     }
     print(live_table(live_row, rows["kill"]))

@@ -37,6 +37,8 @@ BENCHMARKS: dict[str, list[str]] = {
     "communication": ["communication.py"],
     "parallel": ["parallel.py"],
     "input_pipeline": ["input_pipeline.py", "--reps", "1"],
+    "driver_index": ["driver_index.py"],
+    "checkpoint_cost": ["checkpoint_cost.py", "--reps", "1"],
     "overhead": ["overhead.py", "--reps", "1"],
     "recovery": ["recovery.py"],
     "recovery_live": ["recovery.py", "--live-only"],

@@ -166,6 +166,7 @@ class Run:
     restored_from: tuple[str, Any] | None = None  # the checkpoint this start restored: (path, pyarrow filesystem)
     extras: dict[str, Any] = field(default_factory=dict)  # the user's own state in every checkpoint (`Session.track`)
     user_metrics: dict[str, Any] = field(default_factory=dict)  # added to the current step's line (`Session.report`)
+    checkpoint_stall_s: float = 0.0  # the training thread's time in checkpoints since the last metrics line
 
     @property
     def spec(self) -> TrainSpec:
@@ -615,6 +616,9 @@ def steps(run: Run) -> Iterator[Step]:
             raise
         deadline, metrics["data_wait_max_s"] = _agree_after_step(run, data_wait)
         metrics["data_wait_s"] = data_wait
+        # Checkpoint work on the training thread since the previous line: the copy to host memory (or the whole
+        # write, without background saves) of the last checkpoint, its report, and a wait for the one before.
+        metrics["checkpoint_stall_s"], run.checkpoint_stall_s = run.checkpoint_stall_s, 0.0
         if isinstance(run.source, ParquetSteps):
             metrics["data_held_bytes"] = run.source.stats.held_bytes
         metrics.update(run.user_metrics)
@@ -766,8 +770,10 @@ def _report_pending(run: Run) -> None:
     (collective)."""
     if run.pending is None:
         return
+    began = time.perf_counter()
     pending, run.pending = run.pending, None
     _report(run, pending.metrics, finish_save(pending, run.rank), pending.step)
+    run.checkpoint_stall_s += time.perf_counter() - began
 
 
 def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
@@ -786,6 +792,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
     state.data_order = run.source.order_params(state.epoch) if isinstance(run.source, ParquetSteps) else {}
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     _report_pending(run)
+    began = time.perf_counter()
     run.commit.wait()  # the previous checkpoint is committed before this one is written
     run.pending = start_save(
         run.model,
@@ -798,6 +805,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         flat_optimizer=run.dims.pp > 1,
         extras=run.extras,
     )
+    run.checkpoint_stall_s += time.perf_counter() - began
     fault_point("checkpoint")
     if run.saves is None:
         _report_pending(run)

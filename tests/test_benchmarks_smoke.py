@@ -122,6 +122,26 @@ def test_input_pipeline_quick() -> None:
     # Real memory on every rank and a real checkpoint's position files, not bookkeeping
     assert headline["worker_peak_rss_bytes_parquet"] > 0 and headline["worker_rss_growth_bytes_parquet"] is not None
     assert headline["position_checkpoint_bytes"] > 0
+    # Real bytes read at W = 4 (the quick data set is small: each rank's footer reads weigh more than at full size)
+    assert 0.9 < headline["read_amplification"] < headline["read_amplification_one_partition"]
+
+
+@pytest.mark.ray
+@pytest.mark.benchmark
+def test_checkpoint_cost_quick() -> None:
+    headline = run_benchmark("checkpoint_cost.py")
+    # raytrain's own stall field was filled (a checkpoint was copied and reported) and a real checkpoint measured
+    assert headline["checkpoint_stall_s"] > 0 and headline["checkpoint_stall_s_sync"] > 0
+    assert headline["checkpoint_bytes"] > 8_500_000 * 4 * 2  # parameters and momentum, float32
+    assert headline["checkpoint_step_s"] > 0
+
+
+@pytest.mark.benchmark
+def test_driver_index_quick() -> None:
+    headline = run_benchmark("driver_index.py")
+    assert headline["driver_index_row_groups"] == 10_000
+    assert headline["driver_index_s"] > 0 and headline["driver_index_rss_bytes"] > 0
+    assert headline["index_pickle_bytes"] > 10_000 * 3 * 8  # file, row group, rows and bytes per row group
 
 
 def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Path) -> None:

@@ -52,7 +52,7 @@ class ParquetSource:
         partitions: canonical partitions P (>= 1; at most the number of row groups is used). Ranks split the
             partitions, so each row group is read by about max(1, W / P) ranks per epoch: keep P >= the most
             workers you run. Memory per worker is about P / W windows (plus the prefetch). Part of the sample
-            order: changing it (or `shuffle_window`) mid-epoch changes which samples the rest of the epoch holds.
+            order (as is `shuffle_window`): a resume with another value ends the current epoch in the stored one.
     """
 
     paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
@@ -100,28 +100,38 @@ class ParquetSource:
         return fs, sorted(set(files))
 
     def index(self, required_columns: Sequence[str], id_column: str | None) -> ParquetIndex:
-        """Read every file's footer (on the driver) and build the canonical partition; `ConfigError` naming a
-        missing column or an empty data set."""
+        """Read every file's footer (on the driver; `FOOTER_THREADS` at a time, as object storage serves each in
+        a round trip) and build the canonical chunks; `ConfigError` naming a missing column, a file whose columns
+        differ from the first's, or an empty data set."""
         import pyarrow.parquet as pq
 
         fs, files = self.resolve()
-        chunk_file, chunk_group, chunk_rows, chunk_bytes = [], [], [], []
-        names: list[str] | None = None
-        for number, path in enumerate(files):
+
+        def footer(path: str) -> tuple[list[tuple[int, int]], list[str]]:
+            """(rows, uncompressed bytes) of each row group, and the column names: only these few numbers are
+            kept, the parsed footer is freed at once (10,000 of them held would cost hundreds of MB)."""
             with fs.open_input_file(path) as handle:
                 meta = pq.ParquetFile(handle).metadata
-                schema_names = list(meta.schema.to_arrow_schema().names)
-            if names is None:
-                names = schema_names
-            elif schema_names != names:
-                raise ConfigError(f"{path} has columns {schema_names}, the first file {files[0]} has {names}")
-            for group in range(meta.num_row_groups):
-                rows = meta.row_group(group).num_rows
-                if rows:
-                    chunk_file.append(number)
-                    chunk_group.append(group)
-                    chunk_rows.append(rows)
-                    chunk_bytes.append(meta.row_group(group).total_byte_size)
+                groups = [
+                    (meta.row_group(g).num_rows, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)
+                ]
+                return groups, list(meta.schema.to_arrow_schema().names)
+
+        chunk_file, chunk_group, chunk_rows, chunk_bytes = [], [], [], []
+        names: list[str] | None = None
+        with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, len(files))) as pool:
+            footers = pool.map(footer, files)  # in file order
+            for number, (path, (groups, schema_names)) in enumerate(zip(files, footers, strict=True)):
+                if names is None:
+                    names = schema_names
+                elif schema_names != names:
+                    raise ConfigError(f"{path} has columns {schema_names}, the first file {files[0]} has {names}")
+                for group, (rows, nbytes) in enumerate(groups):
+                    if rows:
+                        chunk_file.append(number)
+                        chunk_group.append(group)
+                        chunk_rows.append(rows)
+                        chunk_bytes.append(nbytes)
         assert names is not None
         wanted = tuple(dict.fromkeys([*required_columns, *([id_column] if id_column else [])]))
         missing = [c for c in wanted if c not in names]
@@ -236,6 +246,7 @@ class ParquetIndex:
         return {k: v[:rows] for k, v in self.read_chunks([0]).items() if k != "__id__"}
 
 
+FOOTER_THREADS = 32  # footers the driver reads at once when indexing
 OPEN_FILES = 16  # Parquet file handles a worker keeps open (their footers are parsed once)
 STEPS_AHEAD = 4  # this rank's slices of at most this many next steps are assembled ahead (at least 1)
 MAX_WINDOWS_AHEAD = 2  # windows loaded ahead of the current step's: at most this many, or as many as it touches
