@@ -57,6 +57,19 @@ def all_reduce_max_floats(values: list[float]) -> list[float]:
     return [float(v) for v in tensor.tolist()]
 
 
+def all_reduce_sum_and_max(value: float, maxed: list[float]) -> tuple[float, list[float]]:
+    """`value` summed over every rank and `maxed` (the same length on every rank) element-wise maxed, in ONE
+    collective: an all-gather of 1 + len(maxed) float64 per rank, reduced locally in rank order (so every rank gets
+    bit-identical results)."""
+    if not _active():
+        return value, list(maxed)
+    tensor = torch.tensor([value, *maxed], dtype=torch.float64, device=collective_device())
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    rows = torch.stack(out).cpu()
+    return float(rows[:, 0].sum()), [float(v) for v in rows[:, 1:].max(dim=0).values.tolist()]
+
+
 def all_gather_ints(values: list[int]) -> list[list[int]]:
     """Every rank's list of ints (all of the same length), in rank order."""
     if not _active():

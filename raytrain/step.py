@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from raytrain.collectives import all_reduce_sum
+from raytrain.collectives import all_reduce_sum, all_reduce_sum_and_max
 from raytrain.faults import fault_point
 from raytrain.optim import clip_grad_norm_, global_grad_norm
 from raytrain.parallel.apply import (
@@ -55,6 +55,10 @@ class Step:
     count B: each backward adds its summed per-sample loss x dp / B, so after the average the gradient is the
     mean over the whole global batch, whatever the split. Gradients sync as `policy` says (by default on the last
     micro-step only). With `scaler` (fp16) the loss is scaled and the gradients unscaled before the norm.
+
+    `agree`, when given, returns a few floats this rank wants maxed over every rank at the step's end (the loop's
+    drain deadline, checkpoint progress and data wait): they ride in the loss's collective, which becomes one
+    all-gather instead of two collectives a step; the maxima are in `agreed` after `optimizer_step`.
     """
 
     def __init__(
@@ -67,8 +71,11 @@ class Step:
         max_grad_norm: float | None = None,
         policy: StepPolicy = SYNC_LAST_MICRO_STEP,
         scaler: torch.amp.GradScaler | None = None,
+        agree: Callable[[], list[float]] | None = None,
     ) -> None:
         self.model, self.optimizer, self.policy, self.scaler = model, optimizer, policy, scaler
+        self._agree = agree
+        self.agreed: list[float] | None = None
         self.replicas, self.total, self.max_grad_norm = replicas, step_total, max_grad_norm
         self._micro = micro_batches
         self._scale = replicas / step_total
@@ -183,7 +190,11 @@ class Step:
         fault_point("optimizer")
         if scaler is not None:
             scaler.unscale_(optimizer)
-        loss_sum = all_reduce_sum(self._local_sum if policy.counts_loss else 0.0)
+        local = self._local_sum if policy.counts_loss else 0.0
+        if self._agree is None:
+            loss_sum = all_reduce_sum(local)
+        else:
+            loss_sum, self.agreed = all_reduce_sum_and_max(local, self._agree())
         norm = global_grad_norm(policy.norm_parameters(model) if policy.stage_ties else model.parameters())
         if policy.pp_group is not None:  # each stage holds its own parameters: the squares add up over the pipeline
             norm = torch.tensor(math.sqrt(all_reduce_sum(float(norm) ** 2, policy.pp_group)), dtype=norm.dtype)

@@ -485,10 +485,11 @@ def start_run(job: WorkerJob) -> Run:
     return run
 
 
-def begin_step(run: Run, data: StepData, lr: float) -> Step:
+def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> Step:
     """Set up the next optimizer step on `data` (this rank's micro-batches): its LR `lr` (`Run.lr_at`), its random
     seed (restart-proof; one draw per tensor-parallel group), the fault points of tests; returns the `Step` to
-    train."""
+    train, whose loss collective also carries the loop's agreement (`_agreement`; `data_wait`: this rank's wait
+    for `data`, seconds)."""
     state, spec = run.state, run.spec
     set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)
@@ -502,6 +503,7 @@ def begin_step(run: Run, data: StepData, lr: float) -> Step:
         spec.loop.max_grad_norm,
         run.policy,
         run.scaler,
+        agree=lambda: _agreement(run, data_wait),
     )
 
 
@@ -604,7 +606,7 @@ def steps(run: Run) -> Iterator[Step]:
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
         lr = run.lr_at(state.step)  # once per step: a user's schedule hook is called once
-        step = begin_step(run, data, lr)
+        step = begin_step(run, data, lr, data_wait)
         started = time.perf_counter()
         yield step
         try:
@@ -614,7 +616,8 @@ def steps(run: Run) -> Iterator[Step]:
             # written holds the last good state, so every rank completes and commits it before stopping.
             _settle(run)
             raise
-        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, data_wait)
+        agreed = step.agreed or all_reduce_max_floats(_agreement(run, data_wait))  # (a step that never synced)
+        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, agreed)
         metrics["data_wait_s"] = data_wait
         # Checkpoint work on the training thread since the previous line: the copy to host memory (or the whole
         # write, without background saves) of the last checkpoint, its report, and a wait for the one before.
@@ -651,17 +654,21 @@ def steps(run: Run) -> Iterator[Step]:
 DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on
 
 
-def _agree_after_step(run: Run, data_wait: float) -> tuple[float | None, float]:
-    """After every step, one tiny all-reduce agrees on three things: the deadline (UNIX seconds; 0 when unknown)
-    of a drain announced for a node of this worker group (None without one), whether every rank has written its
-    files of the checkpoint in progress, which is then reported at once (`_report_pending`), and the longest any
-    rank waited for this step's data (seconds; rank 0's own wait is not the slowest reader's). Returns (deadline,
-    longest data wait)."""
+def _agreement(run: Run, data_wait: float) -> list[float]:
+    """This rank's side of what every step's end agrees on (maxed over ranks, in the step's loss collective): the
+    deadline (UNIX seconds; 0 when unknown) of a drain announced for a node of this worker group (-1 without
+    one), whether this rank's files of the checkpoint in progress are still unwritten, and its wait for the
+    step's data (seconds)."""
     local = preemption_deadline_ms()
     unwritten = run.pending is not None and not run.pending.written()
-    drain, any_unwritten, wait = all_reduce_max_floats(
-        [-1.0 if local is None else local / 1000, float(unwritten), data_wait]
-    )
+    return [-1.0 if local is None else local / 1000, float(unwritten), data_wait]
+
+
+def _agree_after_step(run: Run, agreed: list[float]) -> tuple[float | None, float]:
+    """Act on the step's agreement (`_agreement`'s values maxed over every rank): a checkpoint whose files every
+    rank has written is reported at once (`_report_pending`). Returns (the drain deadline, None without one; the
+    longest any rank waited for this step's data: rank 0's own wait is not the slowest reader's)."""
+    drain, any_unwritten, wait = agreed
     if run.pending is not None and not any_unwritten:
         _report_pending(run)
     return (None if drain < 0 else drain), wait

@@ -48,3 +48,21 @@ def test_without_a_group_the_helpers_are_identities() -> None:
     assert collectives.collective_device() == torch.device("cpu")
     assert collectives.all_reduce_sum(1.25) == 1.25
     assert collectives.all_gather_ints([4]) == [[4]]
+
+
+def _sum_and_max(rank: int, world: int) -> tuple[float, list[float], float]:
+    summed, maxed = collectives.all_reduce_sum_and_max(rank + 0.1, [float(rank), -float(rank), 2.0 - rank])
+    return summed, maxed, collectives.all_reduce_sum(rank + 0.1)
+
+
+def test_the_steps_one_collective_sums_the_loss_and_maxes_the_agreement_on_three_ranks() -> None:
+    """The loop's per-step agreement rides in the loss collective: one all-gather gives every rank the same sum
+    (as an all-reduce's, to rounding) and the same element-wise maxima."""
+    from raytrain.testing.multiprocess import run_world
+
+    results = run_world(_sum_and_max, 3)
+    assert all(r[:2] == results[0][:2] for r in results)  # bit-identical on every rank
+    summed, maxed, reduced = results[0]
+    assert summed == pytest.approx(reduced, abs=1e-12) and summed == pytest.approx(3.3)
+    assert maxed == [2.0, 0.0, 2.0]
+    assert collectives.all_reduce_sum_and_max(1.5, [3.0]) == (1.5, [3.0])  # no group: the values themselves
