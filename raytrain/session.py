@@ -103,7 +103,7 @@ def _refuse_loss(*_: Any) -> Any:
     raise RuntimeError("a raytrain.attach run has no loss_fn: its loop computes the losses (Step.backward)")
 
 
-def _index(data: Any, required: Sequence[str], id_column: str | None, rank: int) -> Any:
+def _index(data: Any, required: Sequence[str], id_column: str | None, rank: int, global_batch: int) -> Any:
     """The training set as deterministic mode's indexed data, built once (Parquet footers, a Ray dataset's
     materialization) by rank 0 and sent to the others; a map-style dataset is read by every rank."""
     from raytrain.collectives import broadcast_object
@@ -120,7 +120,7 @@ def _index(data: Any, required: Sequence[str], id_column: str | None, rank: int)
     if rank == 0:
         try:
             if isinstance(data, ParquetSource):
-                indexed = data.index(required, id_column)
+                indexed = data.index(required, id_column, global_batch)
             elif hasattr(data, "materialize"):  # a ray.data.Dataset
                 indexed = IndexedData.from_dataset(data, id_column, required)
             else:
@@ -203,7 +203,7 @@ class Session:
             cluster=ClusterConfig(min_workers=1, max_workers=world),
             parallel=parallel,
         )
-        data = _index(config["data"], config["required_columns"], spec.loop.id_column, rank)
+        data = _index(config["data"], config["required_columns"], spec.loop.id_column, rank, spec.batch.global_batch)
         job = WorkerJob(
             spec=spec,
             run_dir=self._run_dir(context),

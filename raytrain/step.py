@@ -169,7 +169,8 @@ class Step:
         return self.optimizer_step()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> StepResult:
-        """Finish the step (collective): sync what the policy syncs here, all-reduce the loss, take the global
+        """Finish the step (collective): sync what the policy syncs here, sum the loss over the ranks (with the
+        `agree` values, in one all-gather), take the global
         gradient norm (which with the loss decides, identically on every rank, whether the step is finite), clip
         to `max_grad_norm`, and step the optimizer; a step with a NaN or Inf is skipped (`stepped` False). With
         `scaler` (fp16) overflowing gradients are the scaler's to skip. `optimizer`, when given, must be the

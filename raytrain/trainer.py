@@ -33,7 +33,7 @@ from raytrain.config import (
 )
 from raytrain.console import RunLogTail, append_line, init_ray, is_quiet, say
 from raytrain.data.materialized import describe_run_length
-from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source
+from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source, describe_reads
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.rank0 import EVENTS_FILE, METRICS_FILE, SAMPLES_FILE, read_jsonl
 from raytrain.run_lock import run_lock
@@ -660,7 +660,6 @@ class ElasticTrainer:
             check_numeric_columns,
             steps_per_epoch,
         )
-        from raytrain.memory_plan import format_bytes
 
         spec = self.spec
         check_resumable(storage)
@@ -690,7 +689,7 @@ class ElasticTrainer:
         if isinstance(train, ParquetSource) or spec.loop.deterministic:
             data: ParquetIndex | IndexedData
             if isinstance(train, ParquetSource):
-                data = train.index(self.required_columns, spec.loop.id_column)
+                data = train.index(self.required_columns, spec.loop.id_column, spec.batch.global_batch)
             else:
                 data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
@@ -699,23 +698,9 @@ class ElasticTrainer:
             check_numeric_columns(head, self.required_columns)
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
             if isinstance(data, ParquetIndex):
-                say(
-                    f"training data: {len(data.files)} Parquet file(s), {len(data.chunk_rows)} row groups, "
-                    f"{data.num_rows} rows, {format_bytes(data.data_bytes)}; read in place from {data.partitions} "
-                    f"partitions in windows of {data.window_chunks} row groups (<= "
-                    f"{format_bytes(data.window_bytes)} each), each row group by one rank per epoch"
-                )
-                if spec.cluster.max_workers > data.partitions:
-                    say(
-                        f"note: up to {spec.cluster.max_workers} workers share {data.partitions} partitions, so an "
-                        f"epoch reads each row group up to {-(-spec.cluster.max_workers // data.partitions)} times; "
-                        f"ParquetSource(partitions={spec.cluster.max_workers}) reads it once"
-                        + (
-                            " (the data has only that many row groups)"
-                            if data.partitions == len(data.chunk_rows)
-                            else ""
-                        )
-                    )
+                replicas = spec.cluster.max_workers // spec.parallel.replica
+                for line in describe_reads(data, train.partitions, spec.batch.global_batch, replicas):
+                    say(line)
             job = self._job(run_dir, data=data, val_data=val, num_rows=data.num_rows)
         else:
             check_columns(train, (*self.required_columns, spec.loop.id_column or ""))

@@ -12,8 +12,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
-from raytrain.data.parquet import MAX_WINDOWS_AHEAD, OPEN_FILES, ParquetIndex, ParquetSource, ParquetSteps, as_source
-from raytrain.data.sample_order import PartitionedOrder, canonical_ids
+from raytrain.data.parquet import (
+    MAX_WINDOWS_AHEAD,
+    OPEN_FILES,
+    ParquetIndex,
+    ParquetSource,
+    ParquetSteps,
+    as_source,
+    describe_reads,
+)
+from raytrain.data.sample_order import PartitionedOrder, canonical_ids, effective_partitions
 from raytrain.errors import ConfigError
 from raytrain.toy import regression_arrays, write_regression_parquet
 
@@ -205,8 +213,64 @@ def test_an_epoch_begun_in_one_order_ends_in_it_after_a_resume_with_other_partit
     assert fresh[0].keep_order(1, 0, stored) is None  # at an epoch's start there is nothing to keep
     grown = {**stored, "rows": 600}
     assert "WARNING: the training data changed since the checkpoint (600 rows" in str(fresh[1].keep_order(0, 64, grown))
+    assert "WARNING: the checkpoint does not say in which order epoch 0 began" in str(fresh[2].keep_order(0, 64, {}))
     for s in first + resumed + fresh:
         s.close()
+
+
+def test_the_partitions_used_divide_the_global_batch() -> None:
+    assert effective_partitions(32, 1000, 512) == 32
+    assert effective_partitions(32, 1000, 96) == 32 and effective_partitions(32, 1000, 20) == 20
+    assert effective_partitions(32, 1000, 4) == 4  # B < P: each step takes one row from each of 4
+    assert effective_partitions(32, 12, 512) == 8  # at most the row groups
+    assert effective_partitions(32, 1000, 97) == 1  # a prime batch: one partition
+    assert effective_partitions(32, 6, None) == 6
+
+
+@pytest.mark.parametrize("global_batch", [4, 12, 16])
+def test_a_batch_below_the_partitions_still_reads_each_row_group_once(tmp_path: Path, global_batch: int) -> None:
+    """40 row groups of 16 rows, partitions=32 asked, W = 1: the partitions used divide B (4, 12 -> 4 and 12,
+    16), so every partition gives rows every step and its window stays loaded until it is used up; with 32
+    partitions and B = 4 a window would come back every 8 steps, long after it was dropped (13x the reads)."""
+    write_regression_parquet(tmp_path / "data", 640, files=2, row_group=16)
+    index = ParquetSource(tmp_path / "data").index(("x", "y"), None, global_batch)
+    assert index.partitions == {4: 4, 12: 12, 16: 16}[global_batch]
+    source = ParquetSteps(
+        index,
+        seed=0,
+        plan=plan_batch(global_batch, 4, 1),
+        rank=0,
+        device=torch.device("cpu"),
+        drop_last=False,
+        epochs=1,
+    )
+    seen, position = [], 0
+    while (step := source.next_step(0, position)) is not None:
+        seen += step.ids.tolist()
+        position += global_batch
+    assert sorted(seen) == list(range(640))
+    assert source.stats.rows_loaded == 640
+    assert len(source._order(0)._permutations) <= index.partitions + MAX_WINDOWS_AHEAD + 1  # shuffles go with windows
+    source.close()
+
+
+def test_the_driver_says_why_partitions_and_reads_are_what_they_are(tmp_path: Path) -> None:
+    write_regression_parquet(tmp_path / "data", 640, files=2, row_group=16)
+    index = ParquetSource(tmp_path / "data", partitions=32).index(("x", "y"), None, 40)
+    lines = describe_reads(index, 32, 40, replicas=32)
+    assert (
+        lines[0].startswith("training data: 2 Parquet file(s), 40 row groups, 640 rows")
+        and "20 partition(s)" in lines[0]
+    )
+    assert lines[1] == (
+        "partitions: 20, not 32: the largest number <= 32 that divides the global batch 40, so that every step "
+        "takes 2 row(s) from each partition and each rank reads the same partitions step after step"
+    )
+    assert lines[2] == (
+        "note: up to 32 data-parallel replicas share 20 partition(s), so an epoch reads each row group up to 2 "
+        "times; a global batch with more small divisors (e.g. a power of two) allows up to 32"
+    )
+    assert len(describe_reads(ParquetSource(tmp_path / "data").index(("x", "y"), None, 32), 32, 32, 4)) == 1
 
 
 def test_bad_sources_are_named(tmp_path: Path) -> None:

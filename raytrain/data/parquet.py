@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from raytrain.data.id_ranges import IdRanges
-from raytrain.data.sample_order import PartitionedOrder, canonical_ids
+from raytrain.data.sample_order import PartitionedOrder, canonical_ids, effective_partitions
 from raytrain.errors import ConfigError
 
 
@@ -49,9 +49,11 @@ class ParquetSource:
             None derives it from the URI (credentials from the environment) or uses the local file system.
         shuffle_window: row groups per shuffle window of a partition (>= 1): rows mix within a window, and
             every batch mixes the current windows of all partitions.
-        partitions: canonical partitions P (>= 1; at most the number of row groups is used). Ranks split the
-            partitions, so each row group is read by about max(1, W / P) ranks per epoch: keep P >= the most
-            workers you run. Memory per worker is about P / W windows (plus the prefetch). Part of the sample
+        partitions: canonical partitions P (>= 1). The run uses the largest P' <= P that divides the global
+            batch and is at most the number of row groups (`effective_partitions`; logged). Ranks split the
+            partitions, so each row group is read by about max(1, W / P') ranks per epoch: keep P' >= the most
+            data-parallel replicas you run (a global batch with small divisors, e.g. a power of two, allows it).
+            Memory per worker is about P' / W windows (plus the prefetch). Part of the sample
             order (as is `shuffle_window`): a resume with another value ends the current epoch in the stored one.
     """
 
@@ -99,10 +101,13 @@ class ParquetSource:
             raise ConfigError(f"no *.parquet file found under {[os.fspath(p) for p in given]}")
         return fs, sorted(set(files))
 
-    def index(self, required_columns: Sequence[str], id_column: str | None) -> ParquetIndex:
+    def index(
+        self, required_columns: Sequence[str], id_column: str | None, global_batch: int | None = None
+    ) -> ParquetIndex:
         """Read every file's footer (on the driver; `FOOTER_THREADS` at a time, as object storage serves each in
-        a round trip) and build the canonical chunks; `ConfigError` naming a missing column, a file whose columns
-        differ from the first's, or an empty data set."""
+        a round trip) and build the canonical chunks, with the partitions `effective_partitions` picks for
+        `global_batch`; `ConfigError` naming a missing column, a file whose columns differ from the first's, or
+        an empty data set (found as the footers arrive: the reads still queued are cancelled)."""
         import pyarrow.parquet as pq
 
         fs, files = self.resolve()
@@ -119,7 +124,8 @@ class ParquetSource:
 
         chunk_file, chunk_group, chunk_rows, chunk_bytes = [], [], [], []
         names: list[str] | None = None
-        with ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, len(files))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(FOOTER_THREADS, len(files)))
+        try:
             footers = pool.map(footer, files)  # in file order
             for number, (path, (groups, schema_names)) in enumerate(zip(files, footers, strict=True)):
                 if names is None:
@@ -132,6 +138,8 @@ class ParquetSource:
                         chunk_group.append(group)
                         chunk_rows.append(rows)
                         chunk_bytes.append(nbytes)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
         assert names is not None
         wanted = tuple(dict.fromkeys([*required_columns, *([id_column] if id_column else [])]))
         missing = [c for c in wanted if c not in names]
@@ -150,8 +158,38 @@ class ParquetSource:
             columns=columns,
             id_column=id_column,
             window_chunks=self.shuffle_window,
-            partitions=min(self.partitions, len(chunk_rows)),
+            partitions=effective_partitions(self.partitions, len(chunk_rows), global_batch),
         )
+
+
+def describe_reads(index: ParquetIndex, requested: int, global_batch: int, replicas: int) -> list[str]:
+    """The driver's lines about a Parquet data set and how the ranks split its reads (pure): the data, the
+    partitions used and, when fewer than asked, why; a note when more data-parallel `replicas` than partitions
+    make ranks share (and each read) partitions, with what would avoid it."""
+    chunks, used = len(index.chunk_rows), index.partitions
+    lines = [
+        f"training data: {len(index.files)} Parquet file(s), {chunks} row groups, {index.num_rows} rows, "
+        f"{index.data_bytes / 1e6:.3g} MB; read in place from {used} partition(s) in windows of "
+        f"{index.window_chunks} row group(s), each row group by one rank per epoch"
+    ]
+    if used < min(requested, chunks):
+        lines.append(
+            f"partitions: {used}, not {min(requested, chunks)}: the largest number <= {min(requested, chunks)} that "
+            f"divides the global batch {global_batch}, so that every step takes {global_batch // used} row(s) from "
+            f"each partition and each rank reads the same partitions step after step"
+        )
+    if replicas > used:
+        if used == chunks:
+            fix = f"the data has only {chunks} row groups: smaller row groups allow more partitions"
+        elif used < requested:
+            fix = f"a global batch with more small divisors (e.g. a power of two) allows up to {requested}"
+        else:
+            fix = f"ParquetSource(partitions={replicas}) reads it once"
+        lines.append(
+            f"note: up to {replicas} data-parallel replicas share {used} partition(s), so an epoch reads each row "
+            f"group up to {-(-replicas // used)} times; {fix}"
+        )
+    return lines
 
 
 def as_source(dataset: Any) -> Any:
@@ -173,7 +211,7 @@ class ParquetIndex:
     columns: tuple[str, ...]  # the columns read (the required ones and the id column)
     id_column: str | None
     window_chunks: int
-    partitions: int  # canonical partitions actually used (at most the number of row groups)
+    partitions: int  # canonical partitions used (`effective_partitions`: <= the row groups, divides the batch)
 
     @property
     def num_rows(self) -> int:
@@ -201,7 +239,7 @@ class ParquetIndex:
         }
 
     def with_order(self, partitions: int, shuffle_window: int) -> ParquetIndex:
-        """The same data in the order of other `partitions` and `shuffle_window`."""
+        """The same data in the order of other (effective) `partitions` and `shuffle_window`."""
         return replace(self, partitions=min(partitions, len(self.chunk_rows)), window_chunks=shuffle_window)
 
     def order(self, seed: int, epoch: int) -> PartitionedOrder:
@@ -270,8 +308,9 @@ class PrefetchStats:
 
 
 class ParquetSteps:
-    """The step source over a `ParquetIndex`: the step at position p of epoch e is positions [p, p + B) of
-    `index.order(seed, e)`, whatever W is; this rank materializes only the rows of its slice."""
+    """The step source over a `ParquetIndex`: the step at position p of epoch e is positions [p, p + B) of epoch
+    e's order (`index.order(seed, e)`, or the stored one for an epoch begun in another, `keep_order`), whatever W
+    is; this rank materializes only the rows of its share."""
 
     def __init__(
         self,
@@ -308,6 +347,7 @@ class ParquetSteps:
         self._intervals: list[float] = []  # the latest step intervals (seconds)
         self._calls = 0
         self._told = False
+        self._step_windows = 1  # windows the latest step's share touched
 
     def _order(self, epoch: int) -> PartitionedOrder:
         with self._order_lock:
@@ -329,8 +369,13 @@ class ParquetSteps:
         it is still seen once; later epochs use the new values. Returns the line to log (None: nothing changed),
         a warning when the data itself changed (its rest of the epoch then follows the new data's order)."""
         current = self.index.order_params()
-        if not stored or sample_in_epoch == 0 or stored == current:
+        if sample_in_epoch == 0 or stored == current:
             return None
+        if not stored:  # written before the order was stored (raytrain before canonical partitions)
+            return (
+                f"WARNING: the checkpoint does not say in which order epoch {epoch} began (it predates canonical "
+                f"partitions): the rest of the epoch follows today's order, so samples of it may repeat or be missed"
+            )
         if (stored.get("row_groups"), stored.get("rows")) != (current["row_groups"], current["rows"]):
             return (
                 f"WARNING: the training data changed since the checkpoint ({stored.get('rows')} rows in "
@@ -376,20 +421,24 @@ class ParquetSteps:
             return partition, index, order.window_of(partition, index)
 
     def _lookahead(self) -> int:
-        """Steps to load ahead: as many as a window load takes at the measured step interval, plus one
-        (re-measured every 10 steps)."""
+        """Steps to load ahead: as many as loading a step's windows takes at the measured step interval, plus
+        one (re-measured every 10 steps; it never shrinks, as a window loaded ahead and then outside a shorter
+        look-ahead would be dropped and read again; memory stays bounded by the windows-ahead cap of `_prefetch`).
+        A step's windows roll over together (every partition gives the same rows per step), and the one loader
+        thread reads them one after the other."""
         if not self._intervals or not self.stats.load_s:
             return 1
         if self._calls % 10 and self.stats.lookahead:
             return self.stats.lookahead
         interval = float(np.median(self._intervals[-20:]))
-        load = float(np.median(self.stats.load_s[-5:]))
-        return int(min(64, np.ceil(load / max(interval, 1e-4)) + 1))
+        load = float(np.median(self.stats.load_s[-5:])) * max(1, self._step_windows)
+        return max(self.stats.lookahead, int(min(64, np.ceil(load / max(interval, 1e-4)) + 1)))
 
     def _prefetch(self, epoch: int, sample_in_epoch: int) -> tuple[set[tuple[int, int]], list[tuple[int, int]]]:
-        """Start loading the windows of this rank's slices of the current and the next steps (as many steps as
-        `_lookahead` says, at most `MAX_WINDOWS_AHEAD` windows beyond the current step's). Returns the windows
-        still needed and the positions of the following steps whose windows are all among them."""
+        """Start loading the windows of this rank's shares of the current and the next steps (as many steps as
+        `_lookahead` says; beyond the current step's windows, at most as many more as it touches, and at least
+        `MAX_WINDOWS_AHEAD`). Returns the windows still needed and the positions of the following steps whose
+        windows are all among them."""
         lookahead = self._lookahead()
         self.stats.lookahead = lookahead
         if not self._told and len(self._intervals) >= 5 and self.stats.load_s:
@@ -408,7 +457,8 @@ class ParquetSteps:
                 break
             windows = self._slice(position[0], position[1], self._plan_at(position[1]))[2]
             if position == (epoch, sample_in_epoch):  # a step's windows roll over together: as many may load ahead
-                cap = max(MAX_WINDOWS_AHEAD, len(np.unique(windows)))
+                self._step_windows = len(np.unique(windows))
+                cap = max(MAX_WINDOWS_AHEAD, self._step_windows)
             for window in dict.fromkeys(windows.tolist()):
                 if (position[0], window) not in needed:
                     if position != (epoch, sample_in_epoch):
@@ -437,6 +487,9 @@ class ParquetSteps:
             for key in [k for k in self._cache if k not in keep]:
                 self._cache.pop(key)
             held = sum(f.result().nbytes for f in self._cache.values() if f.done() and f.exception() is None)
+        with self._order_lock:
+            for epoch, order in self._orders.items():
+                order.forget({w for e, w in keep if e == epoch})
         self.stats.held_bytes = held
         self.stats.peak_bytes = max(self.stats.peak_bytes, held)
 

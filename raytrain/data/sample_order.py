@@ -8,12 +8,13 @@ The data is a list of chunks (Parquet row groups) in a canonical order, each wit
        each window with a generator seeded by (seed, e, c, window): partition c's own sequence of rows;
     3. interleaves the P sequences round robin (position p of the epoch is the next row of partition p mod P while
        all partitions have rows; a partition that runs out drops out of the rotation).
-A step of B samples is positions [p, p + B): about B / P rows from each partition. Its samples are then laid out
+A step of B samples is positions [p, p + B). With P dividing B (`effective_partitions` makes it so) every step
+takes exactly B / P rows from each partition while all partitions have rows. Its samples are then laid out
 partition by partition (`PartitionedOrder.step_items`) and rank r takes the r-th contiguous share of that layout,
-so a rank's share covers about P / W whole partitions and the ranks split the epoch's rows by partition: each row
-group is read by one rank (two where a share's boundary falls inside a partition), not by every rank. Nothing
-here depends on W: the global batch of every step is the same set of samples, in the same layout, at every world
-size and after any restart.
+so a rank's share covers the same ~P / W partitions step after step and the ranks split the epoch's rows by
+partition: each row group is read by one rank (two where a share's boundary falls inside a partition), not by
+every rank. Nothing here depends on W: the global batch of every step is the same set of samples, in the same
+layout, at every world size and after any restart.
 
 Trade-offs (see docs/architecture.md): a rank holds the current window of each partition in its share, about
 P / W windows (more partitions: fewer reads per byte at large W, more memory per rank at small W); rows mix within
@@ -23,6 +24,17 @@ a window and every batch mixes P windows; W > P shares a partition between W / P
 from __future__ import annotations
 
 import numpy as np
+
+
+def effective_partitions(requested: int, chunks: int, global_batch: int | None) -> int:
+    """The canonical partitions used (pure): the largest P <= min(`requested`, `chunks`) that divides
+    `global_batch`, so that every step takes exactly B / P rows from each partition and a rank's share covers the
+    same partitions step after step (a P that does not divide B moves the shares' boundaries from step to step,
+    and ranks would read each other's partitions); min(requested, chunks) when no global batch is given."""
+    most = max(1, min(requested, chunks))
+    if global_batch is None:
+        return most
+    return max(p for p in range(1, most + 1) if global_batch % p == 0)
 
 
 class PartitionedOrder:
@@ -112,9 +124,15 @@ class PartitionedOrder:
             c = self.window_partition[window]
             rng = np.random.default_rng([self.seed, self.epoch, 1, c, window - int(self.window_base[c])])
             self._permutations[window] = rng.permutation(int(self.window_rows[window]))
-            if len(self._permutations) > 4 * self.partitions:  # keep those of the windows in use
+            if len(self._permutations) > 2 * self.partitions + 4:  # a bound for callers that never `forget`
                 self._permutations.pop(next(iter(self._permutations)))
         return self._permutations[window]
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop the row shuffles of windows not in `keep` (a reader calls it as it drops those windows' rows:
+        a shuffle costs 8 bytes per row of its window)."""
+        for window in [w for w in self._permutations if w not in keep]:
+            del self._permutations[window]
 
     def rows_in_window(self, window: int, index: np.ndarray) -> np.ndarray:
         """For partition indices `index` inside `window`: their row indices in the window's concatenated chunks."""
