@@ -332,6 +332,7 @@ class ParquetSteps:
         self.stats = PrefetchStats()
         self._orders: dict[int, PartitionedOrder] = {}
         self._kept: tuple[int, ParquetIndex] | None = None  # (epoch, its index) of an epoch begun in another order
+        self._slices: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # by step position
         self._cache: OrderedDict[tuple[int, int], Future[_Window]] = OrderedDict()
         self._lock = threading.Lock()
         self._order_lock = threading.RLock()
@@ -384,6 +385,7 @@ class ParquetSteps:
             )
         self._kept = (epoch, self.index.with_order(stored["partitions"], stored["shuffle_window"]))
         self._orders.pop(epoch, None)
+        self._slices.clear()
         return (
             f"data order: epoch {epoch} began with partitions={stored['partitions']}, shuffle_window="
             f"{stored['shuffle_window']} and ends in that order (every sample once); epochs from {epoch + 1} use "
@@ -409,7 +411,17 @@ class ParquetSteps:
 
     def _slice(self, epoch: int, begin: int, plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """This rank's share of the step of `plan` that starts at `begin`: (partition, index within partition,
-        window) of each of its samples, in the step's partition-by-partition layout."""
+        window) of each of its samples, in the step's partition-by-partition layout (computed once per step:
+        the look-ahead asks for the same steps again every step)."""
+        key = (epoch, begin)
+        with self._order_lock:
+            if key not in self._slices:
+                self._slices[key] = self._compute_slice(epoch, begin, plan)
+                while len(self._slices) > 2 * 64 + 8:  # more than any look-ahead: the oldest go
+                    self._slices.pop(next(iter(self._slices)))
+            return self._slices[key]
+
+    def _compute_slice(self, epoch: int, begin: int, plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         with self._order_lock:
             order = self._order(epoch)
             partition, index = order.step_items(begin, begin + plan.global_batch)

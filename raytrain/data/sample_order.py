@@ -75,6 +75,10 @@ class PartitionedOrder:
             self.window_offset[lo:hi] = np.concatenate([[0], np.cumsum(rows)[:-1]])
             self.partition_rows[c] = rows.sum()
         self.num_rows = int(self.partition_rows.sum())
+        # Every window's first row as one sorted key (partition * stride + index within it): `window_of` is then
+        # one binary search for all items of a step.
+        self._stride = int(self.partition_rows.max()) + 1
+        self._window_keys = np.array(self.window_partition, dtype=np.int64) * self._stride + self.window_offset
         # The round robin in phases: in phase k every partition holding more than `level[k-1]` rows gives one row
         # per turn, for rows level[k-1] .. level[k] - 1 of each; phase k starts at epoch position `phase_start[k]`.
         self._levels = np.unique(self.partition_rows)
@@ -109,14 +113,8 @@ class PartitionedOrder:
 
     def window_of(self, partition: np.ndarray, index: np.ndarray) -> np.ndarray:
         """The window (global number) of each (partition, index within the partition)."""
-        partition = np.asarray(partition, dtype=np.int64)
-        index = np.asarray(index, dtype=np.int64)
-        out = np.empty(len(partition), dtype=np.int64)
-        for c in np.unique(partition):
-            mask = partition == c
-            lo, hi = int(self.window_base[c]), int(self.window_base[c + 1])
-            out[mask] = lo + np.searchsorted(self.window_offset[lo:hi], index[mask], side="right") - 1
-        return out
+        keys = np.asarray(partition, dtype=np.int64) * self._stride + np.asarray(index, dtype=np.int64)
+        return np.searchsorted(self._window_keys, keys, side="right") - 1
 
     def permutation(self, window: int) -> np.ndarray:
         """Row shuffle of `window`: local position q -> index into the window's concatenated chunk rows."""
