@@ -356,7 +356,7 @@ def read_one_epoch(data_dir: str, world: int, rank: int, partitions: int, window
     from raytrain.batch_plan import plan_batch
     from raytrain.data.parquet import ParquetSource, ParquetSteps
 
-    index = ParquetSource(data_dir, shuffle_window=window, partitions=partitions).index(("x", "y"), "id")
+    index = ParquetSource(data_dir, shuffle_window=window, partitions=partitions).index(("x", "y"), "id", GLOBAL_BATCH)
     plan = plan_batch(GLOBAL_BATCH, MICRO_BATCH, world)
     source = ParquetSteps(index, seed=0, plan=plan, rank=rank, device=torch.device("cpu"), drop_last=False, epochs=1)
     index.head(1)  # the modules a read imports are read before the count starts (tens of MB of Ray's)
