@@ -49,14 +49,6 @@ def all_reduce_min(value: int) -> int:
     return int(tensor.item())
 
 
-def all_reduce_max_floats(values: list[float]) -> list[float]:
-    """The element-wise largest of every rank's `values` (all of the same length; one all-reduce, float64)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    if _active():
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return [float(v) for v in tensor.tolist()]
-
-
 def all_reduce_sum_and_max(value: float, maxed: list[float]) -> tuple[float, list[float]]:
     """`value` summed over every rank and `maxed` (the same length on every rank) element-wise maxed, in ONE
     collective: an all-gather of 1 + len(maxed) float64 per rank, reduced locally in rank order (so every rank gets

@@ -25,7 +25,7 @@ from raytrain import faults
 from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import PendingSave, TrainState, checkpoint_group, finish_save, load_checkpoint, start_save
 from raytrain.checkpoint_files import checkpoint_dirs, checkpoint_paths, read_step, remove_uncommitted, verify
-from raytrain.collectives import all_gather_objects, all_reduce_max_floats, all_reduce_sum
+from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data.id_ranges import IdRanges
 from raytrain.data.materialized import ColumnData, IndexedData, IndexedSteps, StepData, run_total_steps, to_tensors
@@ -616,8 +616,8 @@ def steps(run: Run) -> Iterator[Step]:
             # written holds the last good state, so every rank completes and commits it before stopping.
             _settle(run)
             raise
-        agreed = step.agreed or all_reduce_max_floats(_agreement(run, data_wait))  # (a step that never synced)
-        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, agreed)
+        assert step.agreed is not None, "optimizer_step agrees (end_step refused a step without it)"
+        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, step.agreed)
         metrics["data_wait_s"] = data_wait
         # Checkpoint work on the training thread since the previous line: the copy to host memory (or the whole
         # write, without background saves) of the last checkpoint, its report, and a wait for the one before.

@@ -416,21 +416,15 @@ class ParquetSteps:
         key = (epoch, begin)
         with self._order_lock:
             if key not in self._slices:
-                self._slices[key] = self._compute_slice(epoch, begin, plan)
+                order = self._order(epoch)
+                partition, index = order.step_items(begin, begin + plan.global_batch)
+                mine = slice(
+                    plan.rank_offset(self.rank), plan.rank_offset(self.rank) + plan.per_rank_samples[self.rank]
+                )
+                self._slices[key] = (partition[mine], index[mine], order.window_of(partition[mine], index[mine]))
                 while len(self._slices) > 2 * 64 + 8:  # more than any look-ahead: the oldest go
                     self._slices.pop(next(iter(self._slices)))
             return self._slices[key]
-
-    def _compute_slice(self, epoch: int, begin: int, plan: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        with self._order_lock:
-            order = self._order(epoch)
-            partition, index = order.step_items(begin, begin + plan.global_batch)
-            lo = plan.rank_offset(self.rank)
-            partition, index = (
-                partition[lo : lo + plan.per_rank_samples[self.rank]],
-                index[lo : lo + plan.per_rank_samples[self.rank]],
-            )
-            return partition, index, order.window_of(partition, index)
 
     def _lookahead(self) -> int:
         """Steps to load ahead: as many as loading a step's windows takes at the measured step interval, plus
