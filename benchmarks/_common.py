@@ -62,6 +62,12 @@ def quiet_fsdp_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*returned a view tensor.*")
 
 
+def first_rep() -> int:
+    """The repetition this process starts at: `run_all.py` runs a script once per repetition and says which in
+    BENCHMARK_REP (0 when run by hand), so that runs alternated per repetition rotate across its repetitions too."""
+    return int(os.environ.get("BENCHMARK_REP", "0"))
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -3,17 +3,19 @@
 What checkpoints cost a run whose steps are real compute: raytrain's ElasticTrainer at a fixed W = 2 (CPU
 workers, gloo), an MLP 64 -> 2048 -> 2048 -> 2048 -> 1 (8.5 M parameters; with SGD momentum a checkpoint holds
 68 MB), global batch 1024 in micro-batches of 128: about 0.3-0.6 s of matrix multiplies per step on this machine, no
-sleep. Three runs, alternated per repetition, each 60 steps on a Ray dataset in deterministic mode:
+sleep. Four runs, alternated per repetition, each 60 steps on a Ray dataset in deterministic mode:
     none         no checkpoint before the end (every_steps above the run's length): the baseline;
     background   a checkpoint every 10 steps, raytrain's default: the step that checkpoints copies the state to
                  host memory, a thread writes the files (DCP async save on a gloo group of its own), the
                  checkpoint is reported once every rank has written its files;
-    sync         the same, written on the training thread (`CheckpointConfig(background_save=False)`).
+    sync         the same, written on the training thread (`CheckpointConfig(background_save=False)`);
+    control      "none" again: two runs of identical settings, whose difference is the machine's noise.
 Measured from rank 0's metrics.jsonl (the "time" each step finished), steps 11-60 (50 intervals: checkpoints at
 steps 10, 20, 30, 40 and 50 fall inside; the one at step 60 ends the run and is not counted):
     checkpoint_overhead_fraction   (wall time of those steps with background checkpoints - without) / without,
                                    the median over repetitions (min and max across `run_all.py`'s runs);
     ..._sync                       the same for sync;
+    checkpoint_control_fraction    the same for control: what the fraction reads when checkpoints cost nothing;
     checkpoint_stall_s             the training thread's time in checkpoint work per checkpoint (raytrain's own
                                    `checkpoint_stall_s` field: the copy to host memory, the report, a wait for
                                    the previous commit), the median over the run's checkpoints;
@@ -32,13 +34,13 @@ import time
 from typing import Any
 
 import torch
-from _common import machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
+from _common import first_rep, machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
 from torch import nn
 
 FEATURES, HIDDEN = 64, 2048
 GLOBAL_BATCH, MICRO_BATCH, WORKERS = 1024, 128, 2
 STEPS, EVERY, SKIP = 60, 10, 10
-MODES = {"none": (10**6, True), "background": (EVERY, True), "sync": (EVERY, False)}
+MODES = {"none": (10**6, True), "background": (EVERY, True), "sync": (EVERY, False), "control": (10**6, True)}
 
 
 def build_model() -> nn.Module:
@@ -116,7 +118,7 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-ckpt-") as storage:
         for rep in range(reps):
-            order = list(MODES) if rep % 2 == 0 else list(MODES)[::-1]
+            order = list(MODES) if (first_rep() + rep) % 2 == 0 else list(MODES)[::-1]
             for mode in order:
                 every, background = MODES[mode]
                 found = run(storage, f"{mode}-{rep}", steps, every, background)
@@ -126,7 +128,7 @@ def main() -> None:
     stop_ray()
     fractions = {
         mode: [(r["wall_s"] - b["wall_s"]) / b["wall_s"] for r, b in zip(results[mode], results["none"], strict=True)]
-        for mode in ("background", "sync")
+        for mode in ("background", "sync", "control")
     }
     print(
         f"\nCheckpoint cost: MLP 64 -> {HIDDEN} x3 -> 1, W = {WORKERS}, global batch {GLOBAL_BATCH}, steps "
@@ -146,6 +148,8 @@ def main() -> None:
         {
             "checkpoint_overhead_fraction": round(median(fractions["background"]), 4),
             "checkpoint_overhead_fraction_sync": round(median(fractions["sync"]), 4),
+            # "none" run twice (A/A): the same fraction between two runs of identical settings, the noise floor
+            "checkpoint_control_fraction": round(median(fractions["control"]), 4),
             "checkpoint_stall_s": round(median([r["stall_per_checkpoint_s"] for r in results["background"]]), 4),
             "checkpoint_stall_s_sync": round(median([r["stall_per_checkpoint_s"] for r in results["sync"]]), 4),
             "checkpoint_step_s": round(median([r["median_step_s"] for r in results["none"]]), 4),

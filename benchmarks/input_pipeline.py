@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
+from _common import first_rep, machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
 from torch import nn
 
 FEATURES, HIDDEN = 64, 512
@@ -414,7 +414,7 @@ def main() -> None:
         write_parquet(data_dir, rows)
         write_parquet(large_dir, 4 * rows)
         for rep in range(reps):
-            for mode, workers in runs if rep % 2 == 0 else runs[::-1]:
+            for mode, workers in runs if (first_rep() + rep) % 2 == 0 else runs[::-1]:
                 key = f"{mode} W={workers}"
                 name = f"{mode.replace(' ', '-')}-{workers}-{rep}"
                 if mode == "hand-written":

@@ -34,6 +34,11 @@ Per run:
                            checkpoint: what a checkpoint costs wherever its work lands (a background save slows
                            the steps after it, not the step that starts it)
     epoch s                extra time of the interval that crosses into the second epoch
+    to entry s             fit() -> rank 0 enters the training function (driver checks, Ray Train's controller
+                           and worker group); entry to step s: from there to the first step finished
+The matched loop runs twice per repetition (the second, "control", is the same code): `control_ratio` (its
+steps/s over the first's) and `start_control_s` (its start-up less the first's) show how far two runs of identical
+code differ on this machine, the floor below which raytrain's own overhead cannot be told from noise.
 Runs alternate (the variants in rotating order); the table gives each run and the median over repetitions;
 ratio = steps/s / steps/s of the medians. The headline `overhead_ratio` is the all-inclusive steady-state ratio
 for raytrain's default mode; the others are printed beside it. Timings depend on what else the machine runs (its
@@ -51,6 +56,7 @@ from typing import Any
 
 import torch
 from _common import (
+    first_rep,
     machine_line,
     median,
     median_interval_rate,
@@ -100,6 +106,7 @@ def matched_train_func(config: dict[str, Any]) -> None:
     from ray.train import Checkpoint, CheckpointConsistencyMode
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    entered = time.time()  # the training function runs (the start-up split: Ray's part, the loop's part)
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     k, micro, every, max_steps = config["k"], config["micro_batch"], config["every"], config["max_steps"]
@@ -154,6 +161,8 @@ def matched_train_func(config: dict[str, Any]) -> None:
             dist.all_reduce(total)
             step += 1
             metrics = {"step": step, "epoch": epoch, "loss": float(total) / batch, "time": time.time()}
+            if step == 1:
+                metrics["entered"] = entered
             metrics["step_time_s"] = time.perf_counter() - started
             if times is not None:
                 times.write(json.dumps(metrics) + "\n")
@@ -343,7 +352,10 @@ def run_raytrain(
     )
     started = time.time()
     result = trainer.fit()
-    return {"records": read_jsonl(result.metrics_path), "started": started, "ended": time.time()}
+    records = read_jsonl(result.metrics_path)
+    if records:  # rank 0 entered the training function: the first start's line of events.jsonl
+        records[0]["entered"] = read_jsonl(result.events_path)[0]["entered"]
+    return {"records": records, "started": started, "ended": time.time()}
 
 
 # ---------------------------------------------------------------- analysis
@@ -371,6 +383,9 @@ def summarise(run: dict[str, Any], skip: int, every: int) -> dict[str, float]:
     return {
         "steps": len(records),
         "startup_s": times[0] - run["started"] if times else float("nan"),
+        # the start-up split at the training function's entry on rank 0 (the naive loops do not record it)
+        "to_entry_s": records[0].get("entered", float("nan")) - run["started"] if records else float("nan"),
+        "entry_to_step_s": times[0] - records[0].get("entered", float("nan")) if records else float("nan"),
         "rate_all": steady_rate(times, skip),
         "rate_median": median_interval_rate(times, skip),
         "ckpt_s": extra / len(checkpoints) if checkpoints else float("nan"),
@@ -390,8 +405,8 @@ def main() -> None:
     if args.quick:
         reps, steps_per_epoch, every, skip = 1, 12, 8, 4
     else:
-        reps, steps_per_epoch, every, skip = args.reps, 80, 30, 10
-    variants = ["raytrain", "matched", "plain", "plain-no-sync"]
+        reps, steps_per_epoch, every, skip = args.reps, 200, 30, 10
+    variants = ["raytrain", "matched", "matched-control", "plain", "plain-no-sync"]
     if not (args.quick or args.no_streaming):
         variants.append("raytrain-streaming")
     epochs = 2
@@ -404,12 +419,13 @@ def main() -> None:
     order: list[str] = []
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as storage:
         for rep in range(reps):
-            rotated = variants[rep % len(variants) :] + variants[: rep % len(variants)]
+            turn = (first_rep() + rep) % len(variants)
+            rotated = variants[turn:] + variants[:turn]
             for variant in rotated:
                 name = f"{variant}-{rep}"
                 if variant.startswith("plain"):
                     run = run_plain(storage, name, rows, epochs, max_steps, every, no_sync=variant != "plain")
-                elif variant == "matched":
+                elif variant.startswith("matched"):
                     run = run_matched(storage, name, rows, epochs, max_steps, every)
                 else:
                     deterministic = variant == "raytrain"
@@ -429,10 +445,22 @@ def main() -> None:
         "raytrain": "raytrain (deterministic=True, default)",
         "raytrain-streaming": "raytrain (deterministic=False)",
         "matched": "matched hand-written loop (same design)",
+        "matched-control": "the matched loop again (control)",
         "plain": "naive Ray Train DDP loop",
         "plain-no-sync": "naive loop + no_sync (1 sync per step)",
     }
-    keys = ["rate_all", "rate_median", "step_ms", "wait_ms", "ckpt_s", "epoch_s", "startup_s", "wall_s"]
+    keys = [
+        "rate_all",
+        "rate_median",
+        "step_ms",
+        "wait_ms",
+        "ckpt_s",
+        "epoch_s",
+        "startup_s",
+        "to_entry_s",
+        "entry_to_step_s",
+        "wall_s",
+    ]
     headers = [
         "loop",
         "run",
@@ -443,6 +471,8 @@ def main() -> None:
         "ckpt s",
         "epoch s",
         "start-up s",
+        "to entry s",
+        "entry to step s",
         "run wall s",
     ]
     rows_out: list[list[Any]] = []
@@ -459,6 +489,7 @@ def main() -> None:
 
     ratio_rows = [
         ["raytrain (default) / matched loop: raytrain's own overhead", *_ratios(medians, "raytrain", "matched")],
+        ["matched loop again / matched loop: the noise floor", *_ratios(medians, "matched-control", "matched")],
         ["matched loop / naive loop: the whole design", *_ratios(medians, "matched", "plain")],
         ["naive + no_sync / naive: one sync per step", *_ratios(medians, "plain-no-sync", "plain")],
         ["matched / naive + no_sync: in-memory data, DCP", *_ratios(medians, "matched", "plain-no-sync")],
@@ -483,6 +514,10 @@ def main() -> None:
     headline: dict[str, Any] = {
         "overhead_ratio": round(ratio("raytrain", "matched"), 3),
         "overhead_ratio_median_step": round(ratio("raytrain", "matched", "rate_median"), 3),
+        # the same loop twice (A/A): how far two runs of identical code differ on this machine
+        "control_ratio": round(ratio("matched-control", "matched"), 3),
+        "control_ratio_median_step": round(ratio("matched-control", "matched", "rate_median"), 3),
+        "start_control_s": round(medians["matched-control"]["startup_s"] - medians["matched"]["startup_s"], 2),
         "design_ratio_matched_vs_naive": round(ratio("matched", "plain"), 3),
         "no_sync_ratio_naive": round(ratio("plain-no-sync", "plain"), 3),
         "data_path_ratio_matched_vs_naive_no_sync": round(ratio("matched", "plain-no-sync"), 3),
@@ -498,6 +533,12 @@ def main() -> None:
         "start_overhead_s": round(medians["raytrain"]["startup_s"] - medians["matched"]["startup_s"], 2),
         "raytrain_startup_s": round(medians["raytrain"]["startup_s"], 2),
         "matched_startup_s": round(medians["matched"]["startup_s"], 2),
+        # the same split at rank 0's entry into the training function: fit() -> entry (driver checks, Ray Train's
+        # controller and worker group), entry -> first step finished (the worker's own start)
+        "start_overhead_to_entry_s": round(medians["raytrain"]["to_entry_s"] - medians["matched"]["to_entry_s"], 2),
+        "start_overhead_in_worker_s": round(
+            medians["raytrain"]["entry_to_step_s"] - medians["matched"]["entry_to_step_s"], 2
+        ),
         "checkpoint": "both save in the background (DCP async_save, report when written, commit waited in a thread)",
         "reps": reps,
     }

@@ -83,12 +83,14 @@ def commit() -> str:
         return "unknown"
 
 
-def run_once(args: list[str], quick: bool, timeout_s: float) -> tuple[dict[str, Any] | None, str, float]:
-    """One run of a benchmark script: (its headline, the tail of its output, seconds)."""
+def run_once(args: list[str], quick: bool, timeout_s: float, rep: int = 0) -> tuple[dict[str, Any] | None, str, float]:
+    """One run of a benchmark script: (its headline, the tail of its output, seconds). `rep` (0-based) reaches the
+    script as BENCHMARK_REP, so that a script alternating its runs starts each repetition with another one."""
     command = [sys.executable, str(HERE / args[0]), *args[1:], *(["--quick"] if quick else [])]
     started = time.monotonic()
+    env = {**os.environ, "BENCHMARK_REP": str(rep)}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=HERE)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=HERE, env=env)
         output, code = done.stdout, done.returncode
     except subprocess.TimeoutExpired as err:
         output, code = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), -9
@@ -156,7 +158,7 @@ def main() -> None:
     for name, argv in chosen.items():
         runs, tails, seconds = [], [], []
         for rep in range(reps):
-            headline, tail, took = run_once(argv, args.quick, args.timeout)
+            headline, tail, took = run_once(argv, args.quick, args.timeout, rep)
             print(f"[run_all] {name} {rep + 1}/{reps}: {'ok' if headline else 'FAILED'} in {took:.0f} s", flush=True)
             seconds.append(round(took, 1))
             if headline is None:
