@@ -21,7 +21,7 @@ import torch
 from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
 from raytrain.errors import NonFiniteError
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
-from raytrain.worker_loop import WorkerJob, build_model, seed_step
+from raytrain.worker_loop import WorkerJob, build_model, seed_step, settle_heap
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ class LiveWorker:
             sample_in_epoch=0,
         )
         self._orders: dict[int, np.ndarray] = {}
+        settle_heap()  # as the restart path's start does: no full collection mid-step
 
     def whoami(self) -> tuple[int, str, int]:
         """This replica's process id and Ray node id (the driver records them; a kill event targets them), and the
