@@ -118,7 +118,7 @@ class Rank0Log:
         self.close()  # the files are rewritten below; appends reopen them
         for tracker in self.trackers:
             tracker.start(self.run_dir or ".", restored_step)
-        self._tracking = True
+        self._tracking = bool(self.trackers)
         for name in (METRICS_FILE, SAMPLES_FILE, EVENTS_FILE):
             path = self._path(name)
             if path and (torn := _truncate_after(path, restored_step if name != EVENTS_FILE else 2**62)):
