@@ -63,17 +63,29 @@ def ray_head_env() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[float]:
     """The reference the elastic and fault tests compare with: one worker on one fake node, no event, 100 steps
-    (the loss curve is the same at every world size: the runs it is compared with train at 2 to 4)."""
+    (the loss curve is the same at every world size: the runs it is compared with train at 2 to 4). Trained once
+    per test session: the first test process to need it trains it under a file lock, the other reads its file."""
+    import json
+
+    from filelock import FileLock
     from ray_helpers import demo, losses
 
-    tmp = tmp_path_factory.mktemp("fixed")
-    summary = demo(
-        tmp, "fixed", "--nodes", "1", "--workers", "1", "--events", "none", "--steps", "100", "--sample-time", "0"
-    )
-    assert summary["world_sizes"] == [1]
-    return losses(summary)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # xdist: the session's directory
+    path = shared / "fixed_size_losses.json"
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            return list(json.loads(path.read_text()))
+        tmp = tmp_path_factory.mktemp("fixed")
+        summary = demo(
+            tmp, "fixed", "--nodes", "1", "--workers", "1", "--events", "none", "--steps", "100", "--sample-time", "0"
+        )
+        assert summary["world_sizes"] == [1]
+        reference = losses(summary)
+        path.write_text(json.dumps(reference))
+        return reference
 
 
 # ---------------------------------------------------------------- per-tier times (`.ci/run` prints them)
@@ -97,6 +109,13 @@ _GLOO_FILES = {
     "tests/test_pretrained.py",
     "tests/test_collectives.py",
 }
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow tests first, then the other Ray tests, then the rest (in file order within each): with two test
+    processes, the minutes-long scenarios start early and on both, and the short tests fill in at the end."""
+    rank = {"slow": 0, "ray": 1}
+    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=2))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -32,13 +32,16 @@ def python_snippet() -> str:
     return match.group(1)
 
 
-def jobs_seen_by(address: str) -> int:
-    """How many drivers ever connected to the cluster at `address` (this check's own included)."""
+def jobs_seen_by(address: str, env: dict[str, str]) -> int:
+    """How many drivers ever connected to the cluster at `address` (this check's own included), connecting with
+    `env` (the head's own: its authentication mode, whatever this process's environment says)."""
     code = (
         f"import ray; ray.init(address={address!r}, log_to_driver=False); "
         "print(len(ray._private.state.state.job_table()))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, check=True
+    )
     return int(done.stdout.strip().splitlines()[-1])
 
 
@@ -74,7 +77,7 @@ def test_readme_snippet_runs_beside_another_run_and_another_ray_instance(
             loss, val_loss = (float(v) for v in done.stdout.strip().splitlines()[-1].split())
             assert 0 < loss < 1 and 0 < val_loss < 1.5
             assert (tmp_path / "runs" / "mlp" / "metrics.jsonl").exists()
-            assert jobs_seen_by(other["address"]) == 1, "the snippet's driver joined the other Ray instance"
+            assert jobs_seen_by(other["address"], head_env) == 1, "the snippet's driver joined the other Ray instance"
         assert first.poll() is None, f"the first run ended while the snippet ran: {errors.read_text()[-3000:]}"
         trained_through = len(read_jsonl(metrics))
         first.send_signal(signal.SIGINT)
