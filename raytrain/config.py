@@ -136,10 +136,11 @@ class LoopConfig:
             full shard) or "auto" (the memory planner's choice for the model and devices).
         seed: seeds the model initialisation, the per-epoch sample order and the per-step RNG.
         deterministic: sample order is a function of (seed, epoch) only, independent of the world size, so loss
-            curves at different world sizes agree step by step for models without random operations in training
-            (dropout and other random ops draw from a generator seeded per (step, rank), so their draws depend on
-            how the batch is split; see `raytrain.worker_loop.seed_step`). Needs the training set to fit in the
-            object store (it is materialized once). False streams shards with `get_dataset_shard` (any size).
+            curves at different world sizes agree step by step for models without random operations in training;
+            dropout and other random ops draw from a generator seeded per micro-batch by its place in the step,
+            so they agree too when the micro-batches are cut alike (see `raytrain.rng`). Needs the training set to
+            fit in the object store (it is materialized once). False streams shards with `get_dataset_shard` (any
+            size).
         id_column: a column holding a unique integer id per sample. Without it raytrain numbers the rows itself
             (this materializes the dataset once on the driver).
         max_grad_norm: clip the gradient of each step's whole global batch to this 2-norm (> 0), as one process

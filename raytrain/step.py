@@ -72,8 +72,10 @@ class Step:
         policy: StepPolicy = SYNC_LAST_MICRO_STEP,
         scaler: torch.amp.GradScaler | None = None,
         agree: Callable[[], list[float]] | None = None,
+        seeds: Callable[[int], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.policy, self.scaler = model, optimizer, policy, scaler
+        self.seeds = seeds
         self._agree = agree
         self.agreed: list[float] | None = None
         self.replicas, self.total, self.max_grad_norm = replicas, step_total, max_grad_norm
@@ -107,6 +109,8 @@ class Step:
         last = len(self._micro) - 1
         for j, batch in enumerate(self._micro):
             with micro_step(self.model, last=j == last, policy=self.policy):
+                if self.seeds is not None:
+                    self.seeds(j)
                 fault_point("forward")
                 self._current = batch
                 yield batch
@@ -156,6 +160,7 @@ class Step:
             device,
             sync,
             autocast_dtype=self.policy.autocast_dtype,
+            seeds=self.seeds,
         )
         self._walked = True
 
@@ -232,7 +237,9 @@ def train_step(
     max_grad_norm: float | None = None,
     policy: StepPolicy = SYNC_LAST_MICRO_STEP,
     scaler: torch.amp.GradScaler | None = None,
+    seeds: Callable[[int], None] | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches with `loss_fn` (collective: every rank calls it); see
-    `Step` for the arithmetic."""
-    return Step(model, optimizer, micro_batches, replicas, step_total, max_grad_norm, policy, scaler).train(loss_fn)
+    `Step` for the arithmetic. `seeds(j)`, when given, seeds micro-batch j's random ops (`raytrain.rng`)."""
+    step = Step(model, optimizer, micro_batches, replicas, step_total, max_grad_norm, policy, scaler, seeds=seeds)
+    return step.train(loss_fn)

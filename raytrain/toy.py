@@ -161,13 +161,17 @@ class GPTBlock(nn.Module):
     (q, k, v colwise -> `proj` rowwise; `fc` colwise -> `out` rowwise). Heads are sized by `head_dim`, so a rank
     holding a colwise slice of q, k, v attends with its heads / tp heads."""
 
-    def __init__(self, width: int, head_dim: int) -> None:
+    def __init__(self, width: int, head_dim: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.q, self.k, self.v = nn.Linear(width, width), nn.Linear(width, width), nn.Linear(width, width)
         self.proj = nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        # `hidden_drop` acts on the MLP's hidden units (split under tp: each tp rank draws its own mask),
+        # `resid_drop` on each residual branch (whole on every tp rank: the ranks draw the same mask)
+        self.hidden_drop: nn.Module = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.resid_drop: nn.Module = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def _heads(self, projected: torch.Tensor, n: int, t: int) -> torch.Tensor:
         """[n, T, heads x head_dim] -> [n, heads, T, head_dim]; the head count from the tensor (a rank holding a
@@ -181,14 +185,15 @@ class GPTBlock(nn.Module):
         h = self.ln1(x)
         q, k, v = (self._heads(m(h), n, t) for m in (self.q, self.k, self.v))
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(n, t, y.shape[1] * y.shape[3]))
-        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+        x = x + self.resid_drop(self.proj(y.transpose(1, 2).reshape(n, t, y.shape[1] * y.shape[3])))
+        return x + self.resid_drop(self.out(self.hidden_drop(nn.functional.gelu(self.fc(self.ln2(x))))))
 
 
 class GPT(nn.Module):
     """A tiny decoder-only transformer for tensor- and pipeline-parallel runs: token and position embeddings,
     `blocks` `GPTBlock`s, a final norm and a linear head. Tokens [n, T] -> logits [n, T, vocab]. With
-    `tie_embeddings` the head has no bias and shares its weight with the token embedding (GPT-2's tie)."""
+    `tie_embeddings` the head has no bias and shares its weight with the token embedding (GPT-2's tie); `dropout`
+    > 0 adds dropout on each block's residual branches and MLP hidden units."""
 
     def __init__(
         self,
@@ -198,11 +203,12 @@ class GPT(nn.Module):
         head_dim: int = 8,
         blocks: int = 2,
         tie_embeddings: bool = False,
+        dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.token = nn.Embedding(vocab, width)
         self.position = nn.Embedding(context, width)
-        self.blocks = nn.ModuleList(GPTBlock(width, head_dim) for _ in range(blocks))
+        self.blocks = nn.ModuleList(GPTBlock(width, head_dim, dropout) for _ in range(blocks))
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=not tie_embeddings)
         if tie_embeddings:

@@ -45,12 +45,13 @@ from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, plan_of
 from raytrain.rank0 import Rank0Log
 from raytrain.ray_hooks import preemption_deadline_ms
+from raytrain.rng import MicroBatchSeeds
 from raytrain.step import Step, StepResult, train_step
 from raytrain.storage import node_local_copy
 
 StepSource = ParquetSteps | IndexedSteps | StreamingSteps
 
-__all__ = ["Run", "Step", "StepResult", "WorkerJob", "seed_step", "start_run", "steps", "train_step"]
+__all__ = ["Run", "Step", "StepResult", "WorkerJob", "start_run", "steps", "train_step"]
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 LRScheduleFn = Callable[[int, int], float]
@@ -77,20 +78,6 @@ class WorkerJob:
     )
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
-
-
-def seed_step(seed: int, step: int, rank: int, device: torch.device | None = None) -> None:
-    """Seed the generators of optimizer step `step` on rank `rank` (dropout and other random ops): the CPU's and,
-    for a CUDA `device`, that device's (`torch.manual_seed` would visit every device type: 90 us a step here).
-
-    The draws of a step are a function of (seed, step, rank), so a restart replays every step exactly at the same
-    world size. They are NOT independent of the split: a rank draws for its own micro-batches, so a model with
-    random operations in training follows a different (statistically equivalent) curve at another world size.
-    """
-    value = int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0])
-    torch.default_generator.manual_seed(value)
-    if device is not None and device.type == "cuda":
-        torch.cuda.manual_seed(value)
 
 
 @torch.no_grad()
@@ -144,6 +131,7 @@ class Run:
     world: int
     dims: ParallelDims  # the layout: dp replicas of tp workers (dims.dp is what the batch plan is computed for)
     replica: int  # this rank's data-parallel replica (its index in the batch plan)
+    stage: int  # this rank's pipeline stage (0 without pipeline parallelism)
     device: torch.device
     plan: BatchPlan
     strategy: str
@@ -446,6 +434,7 @@ def start_run(job: WorkerJob) -> Run:
         world=world,
         dims=dims,
         replica=coords.dp,
+        stage=coords.pp,
         device=device,
         plan=plan,
         strategy=strategy,
@@ -506,7 +495,15 @@ def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> S
     state, spec = run.state, run.spec
     set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)
-    seed_step(spec.loop.seed, state.step, run.replica, run.device)
+    plan = data.plan
+    seeds = MicroBatchSeeds(
+        spec.loop.seed,
+        state.step,
+        plan.rank_offset(run.replica),
+        plan.micro_batches[run.replica],
+        run.stage,
+        run.device,
+    )
     return Step(
         run.model,
         run.optimizer,
@@ -517,6 +514,7 @@ def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> S
         run.policy,
         run.scaler,
         agree=lambda: _agreement(run, data_wait),
+        seeds=seeds,
     )
 
 

@@ -36,6 +36,7 @@ from raytrain.parallel.apply import apply_parallelism, step_policy, unwrap
 from raytrain.parallel.dims import ParallelDims
 from raytrain.parallel.pipeline import stage_ties
 from raytrain.parallel.tensor import resolve_plan
+from raytrain.rng import MicroBatchSeeds
 from raytrain.testing.multiprocess import run_world
 from raytrain.toy import (
     GPT,
@@ -267,6 +268,35 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     return {name: _full(p) for name, p in unwrap(model).named_parameters(remove_duplicate=False)}
 
 
+def _tp_dropout(rank: int, world: int) -> dict[str, object]:
+    """tp 2 at dp = world / 2: the toy GPT with dropout trains STEPS steps of 8 samples in micro-batches of 2 (dp 1
+    cuts 2+2+2+2, dp 2 cuts 2+2 | 2+2: the same micro-batches), each seeded as the worker loop seeds it. Returns
+    the full parameters and block 0's first dropout masks: inside the split MLP (this rank's hidden units) and on
+    the residual branch (whole on every tp rank)."""
+    dims = ParallelDims.of(world, tp=2)
+    mesh, coords, cpu = dims.build_mesh("cpu"), dims.coords(rank), torch.device("cpu")
+    built = record_build(lambda: GPT(**SHAPE, dropout=0.3).to(torch.float64))
+    plan = resolve_plan(built.model, TP_PLANS["gpt"](built.model), dims.tp)
+    model = apply_parallelism(built.model, "ddp", cpu, dims, mesh=mesh, tp_plan=plan, init=built.trace, seed=0)
+    masks: dict[str, torch.Tensor] = {}
+    for name in ("hidden_drop", "resid_drop"):
+        unwrap(model).blocks[0].get_submodule(name).register_forward_hook(
+            lambda _m, _i, out, name=name: masks.setdefault(name, (out == 0).clone())
+        )
+    optimizer = build_optimizer(model, sgd, LR, "ddp")
+    policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, [])
+    batch_plan = plan_batch(8, 2, dims.dp)
+    columns = _columns("gpt")
+    for step in range(STEPS):
+        positions = np.random.default_rng(step).permutation(64)[:8]
+        micro = rank_micro_batches(columns, positions, batch_plan, coords.dp, cpu)
+        offset, sizes = batch_plan.rank_offset(coords.dp), batch_plan.micro_batches[coords.dp]
+        seeds = MicroBatchSeeds(0, step, offset, sizes, coords.pp, None)
+        train_step(model, optimizer, next_token_loss, micro, dims.dp, 8, None, policy, seeds=seeds)
+    params = {name: _full(p) for name, p in unwrap(model).named_parameters()}
+    return {"params": params, "masks": masks, "tp": coords.tp, "dp": coords.dp}
+
+
 def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
     results: dict[str, dict[str, object]] = {}
     for case in CASES[world]:
@@ -275,6 +305,10 @@ def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
         except Exception:
             results[case.name] = {"params": None, "error": traceback.format_exc()}
         dist.barrier()
+    try:
+        results["tp-dropout"] = {"result": _tp_dropout(rank, world), "error": None}
+    except Exception:
+        results["tp-dropout"] = {"result": None, "error": traceback.format_exc()}
     return results
 
 
@@ -429,3 +463,31 @@ def test_replicas_with_different_unused_parameters_reduce_the_same_parameters() 
     assert local[1]["a.weight"] is None  # replica 1 really had no gradient for a
     for r in ranks:  # used by no replica: no gradient, as in one process
         assert r["reduced"]["c.weight"] is None and r["reduced"]["c.bias"] is None
+
+
+def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_across_dp() -> None:
+    """Inside a tensor-parallel region (the MLP's hidden units, split over tp) each tp rank draws its own dropout
+    mask; on the residual branch (whole on every tp rank) the ranks draw the same one. tp 2 at dp 2 trains the
+    parameters of tp 2 at dp 1 (the same micro-batches, seeded by their place in the step, not by the rank)."""
+    runs = {}
+    for world in (2, 4):
+        per_rank = _world(world)
+        errors = [
+            f"rank {r}:\n{res['tp-dropout']['error']}" for r, res in enumerate(per_rank) if res["tp-dropout"]["error"]
+        ]
+        assert not errors, "\n".join(errors)
+        runs[world] = [res["tp-dropout"]["result"] for res in per_rank]
+    tp0, tp1 = runs[2]  # one replica, tp ranks 0 and 1
+    assert (tp0["tp"], tp1["tp"]) == (0, 1)
+    inside0, inside1 = tp0["masks"]["hidden_drop"], tp1["masks"]["hidden_drop"]
+    assert inside0.any() and inside1.any(), "dropout dropped nothing"
+    assert inside0.shape == inside1.shape and not torch.equal(inside0, inside1), "tp ranks drew one mask"
+    assert tp0["masks"]["resid_drop"].any()
+    assert torch.equal(tp0["masks"]["resid_drop"], tp1["masks"]["resid_drop"]), "replicated activations diverge"
+    worst = max(
+        float((a["params"][name] - b["params"][name]).abs().max())
+        for a, b in ((runs[4][0], tp0), (runs[4][1], tp1))
+        for name in a["params"]
+    )
+    print(f"tp 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}")
+    assert worst < TOLERANCE, worst

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ import torch
 from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
 from raytrain.errors import NonFiniteError
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
-from raytrain.worker_loop import WorkerJob, build_model, seed_step, settle_heap
+from raytrain.rng import MicroBatchSeeds
+from raytrain.worker_loop import WorkerJob, build_model, settle_heap
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,15 @@ class LiveWorker:
             self._orders = {epoch: epoch_order(self.num_rows, self.job.spec.loop.seed, epoch)}
         return self._orders[epoch]
 
+    def _micro_batches(
+        self, mine: np.ndarray, cuts: np.ndarray, seeds: MicroBatchSeeds
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """This replica's micro-batches of a step (rows `mine`, cut at `cuts`), each seeded just before its forward
+        as the restart path seeds it (`raytrain.rng`)."""
+        for j, (a, b) in enumerate(itertools.pairwise(cuts)):
+            seeds(j)
+            yield to_tensors({k: v[mine[a:b]] for k, v in self.columns.items()}, "cpu")
+
     def lr_at(self, step: int) -> float:
         """The LR of step `step`: the peak for the global batch (its rule, never the replica count) times the
         schedule, as in the restart path's loop."""
@@ -160,13 +171,11 @@ class LiveWorker:
                 share = live_share(step, len(positions), spec.batch.micro_batch, quorum.participants, quorum.rank)
                 mine = positions[share.offset : share.offset + share.count]
                 cuts = np.cumsum((0, *share.micro_batches))
-                micro = (
-                    to_tensors({k: v[mine[a:b]] for k, v in self.columns.items()}, "cpu")
-                    for a, b in itertools.pairwise(cuts)
+                micro = self._micro_batches(
+                    mine, cuts, MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None)
                 )
                 lr = self.lr_at(step)
                 set_lr(self.optimizer, self.ratios, lr)
-                seed_step(spec.loop.seed, step, quorum.rank)
                 started = time.perf_counter()
                 result = self.replica.train_step(share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm)
                 outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step

@@ -245,7 +245,7 @@ def apply_parallelism(
             raise ValueError("tp > 1 needs a tensor-parallel plan")
         resolved = resolve_plan(model, tp_plan, dims.tp, stage=dims.pp > 1)
         if resolved:
-            line = apply_tensor_parallel(model, mesh["tp"], resolved)
+            line = apply_tensor_parallel(model, mesh["tp"], resolved, device)
             if log is not None:
                 log(line)
     if activation_checkpointing:

@@ -258,17 +258,21 @@ def gpipe_step(
     sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
     backward: bool = True,
     autocast_dtype: torch.dtype | None = None,
+    seeds: Callable[[int], None] | None = None,
 ) -> float:
     """Run this stage's part of one optimizer step's micro-batches through the pipeline (collective over the
     replica's stages: each must call it with the same micro-batch count). The last stage computes
     `loss_fn(model, batch)`, sums it and backpropagates sum x `scale`; every stage accumulates its gradients. Returns
     the summed per-sample loss on the last stage, 0.0 elsewhere. `sync(last)` is entered around each backward
     (`last`: the step's final backward, where gradients synchronise). `backward=False`: forward only (evaluation).
-    `autocast_dtype`: forwards (and the loss) under `torch.autocast` in that dtype (bf16 without FSDP)."""
+    `autocast_dtype`: forwards (and the loss) under `torch.autocast` in that dtype (bf16 without FSDP).
+    `seeds(j)`: called before micro-batch j's forward (`raytrain.rng.MicroBatchSeeds`)."""
     first, last = neighbours.previous is None, neighbours.next is None
     stored: list[tuple[torch.Tensor | None, torch.Tensor]] = []
     local_sum = 0.0
-    for batch in micro_batches:
+    for j, batch in enumerate(micro_batches):
+        if seeds is not None:
+            seeds(j)
         if first:
             inputs = model_inputs(loss_fn, batch)
         else:

@@ -24,10 +24,12 @@ import fnmatch
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.model_init import tie_groups
+from raytrain.rng import install_tp_rng
 
 TPStyle = str  # "colwise" or "rowwise"
 TPPlan = Mapping[str, TPStyle]
@@ -107,12 +109,20 @@ def check_tp_plan(
     return resolved
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, plan: Mapping[str, TPStyle]) -> str:
-    """Split `model`'s planned linear layers over `tp_mesh` in place (`parallelize_module`); returns one line for
-    the log. Call before FSDP and before materializing a meta model."""
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: Any, plan: Mapping[str, TPStyle], device: torch.device | None = None
+) -> str:
+    """Split `model`'s planned linear layers over `tp_mesh` in place (`parallelize_module`) and give each tp rank
+    its own random stream inside the split regions (`raytrain.rng.install_tp_rng`: dropout between a colwise and
+    a rowwise layer draws per rank, outside the ranks agree; `device`: the run's, for its generator); returns one
+    line for the log. Call before FSDP and before materializing a meta model."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in plan.items()})
-    counts = {style: sum(1 for s in plan.values() if s == style) for style in STYLES}
-    return f"tensor parallel over {tp_mesh.size()} ranks: {counts['colwise']} colwise, {counts['rowwise']} rowwise"
+    names = {style: [name for name, s in plan.items() if s == style] for style in STYLES}
+    install_tp_rng(model, names["colwise"], names["rowwise"], tp_mesh.get_local_rank(), device)
+    return (
+        f"tensor parallel over {tp_mesh.size()} ranks: {len(names['colwise'])} colwise, {len(names['rowwise'])} "
+        "rowwise (dropout between them draws per tp rank)"
+    )

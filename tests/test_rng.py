@@ -1,0 +1,114 @@
+"""The random streams of a step (`raytrain.rng`), in one process: seeds by place, not by rank; tensor-parallel
+regions that give each tp rank its own stream, leave the outside stream as it was and survive activation
+checkpointing's recompute. The multi-process checks are in test_equivalence.py (dropout at W = 1, 2, 3) and
+test_parallel_equivalence.py (tp 2 at dp 1 and 2)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from raytrain.rng import MicroBatchSeeds, TensorParallelRNG, install_tp_rng, micro_batch_seed, stream_seed
+
+
+def test_seeds_differ_by_every_key_and_fit_63_bits() -> None:
+    seeds = {
+        micro_batch_seed(s, step, offset, stage)
+        for s in (0, 1)
+        for step in range(4)
+        for offset in range(0, 64, 16)
+        for stage in (0, 1)
+    }
+    assert len(seeds) == 2 * 4 * 4 * 2
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert stream_seed(1, 2) != stream_seed(2, 1)
+
+
+def test_micro_batches_are_seeded_by_their_first_sample_in_the_step() -> None:
+    """Replica 1 of dp 2 (offset 6, cuts 3+3) seeds its micro-batches as dp 1's micro-batches 2 and 3 are."""
+
+    def draws(seeds: MicroBatchSeeds, j: int) -> torch.Tensor:
+        seeds(j)
+        return torch.rand(4)
+
+    whole = MicroBatchSeeds(5, 2, 0, (3, 3, 3, 3), 0, None)
+    half = MicroBatchSeeds(5, 2, 6, (3, 3), 0, None)
+    assert torch.equal(draws(whole, 2), draws(half, 0)) and torch.equal(draws(whole, 3), draws(half, 1))
+    assert not torch.equal(draws(whole, 0), draws(whole, 1))
+    assert not torch.equal(draws(MicroBatchSeeds(5, 3, 0, (3,), 0, None), 0), draws(whole, 0))  # another step
+
+
+class Block(nn.Module):
+    """A colwise layer, dropout on its output (a region), a rowwise layer, then dropout on the whole output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+        self.inside, self.outside = nn.Dropout(0.5), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.outside(self.down(self.inside(torch.tanh(self.up(x)))))
+
+
+def _model(tp_rank: int, checkpointed: bool = False) -> tuple[nn.Module, TensorParallelRNG]:
+    torch.manual_seed(0)
+    block = Block()
+    model = nn.Sequential(block) if not checkpointed else _Checkpointed(block)
+    prefix = "0" if not checkpointed else "block"
+    return model, install_tp_rng(model, [f"{prefix}.up"], [f"{prefix}.down"], tp_rank, None)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+def _masks(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    masks: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout):
+            key = name.rsplit(".", 1)[-1]
+            module.register_forward_hook(lambda _m, _i, out, key=key: masks.setdefault(key, out == 0))
+    torch.manual_seed(1)
+    model(x)
+    return masks
+
+
+def test_a_region_draws_per_tp_rank_and_the_outside_stream_agrees() -> None:
+    x = torch.randn(16, 4)
+    rank0, rank1 = (_masks(_model(r)[0], x) for r in (0, 1))
+    assert rank0["inside"].any() and not torch.equal(rank0["inside"], rank1["inside"])
+    assert torch.equal(rank0["outside"], rank1["outside"])
+
+
+def test_leaving_a_region_restores_the_outside_stream() -> None:
+    """After the forward the CPU generator is where the outside stream left it: one draw (the region's seed)
+    past the state at the region's entry, whatever the region drew."""
+    model, rng = _model(1)
+    torch.manual_seed(3)
+    model(torch.randn(16, 4))
+    after = torch.rand(3)
+    torch.manual_seed(3)
+    torch.randn(16, 4)
+    torch.randint(0, 2**62, (1,))  # the region's seed
+    nn.functional.dropout(torch.ones(16, 4), 0.5)  # the outside dropout's draw
+    assert torch.equal(after, torch.rand(3))
+    assert rng.regions == 1 and not rng.inside
+
+
+def test_activation_checkpointing_recomputes_the_same_region_masks() -> None:
+    """The recompute in the backward restores the outside state and so re-derives the same region seed: the
+    gradients equal those of the same forward without checkpointing."""
+    x = torch.randn(16, 4)
+    grads = []
+    for checkpointed in (False, True):
+        model, _ = _model(1, checkpointed)
+        torch.manual_seed(7)
+        model(x).square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
