@@ -280,9 +280,11 @@ def _tp_dropout(rank: int, world: int) -> dict[str, object]:
     model = apply_parallelism(built.model, "ddp", cpu, dims, mesh=mesh, tp_plan=plan, init=built.trace, seed=0)
     masks: dict[str, torch.Tensor] = {}
     for name in ("hidden_drop", "resid_drop"):
-        unwrap(model).blocks[0].get_submodule(name).register_forward_hook(
-            lambda _m, _i, out, name=name: masks.setdefault(name, (out == 0).clone())
-        )
+
+        def record(_module: nn.Module, _inputs: object, out: torch.Tensor, name: str = name) -> None:
+            masks.setdefault(name, (out == 0).clone())
+
+        unwrap(model).blocks[0].get_submodule(name).register_forward_hook(record)
     optimizer = build_optimizer(model, sgd, LR, "ddp")
     policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, [])
     batch_plan = plan_batch(8, 2, dims.dp)

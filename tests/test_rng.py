@@ -5,6 +5,8 @@ test_parallel_equivalence.py (tp 2 at dp 1 and 2)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -68,12 +70,20 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
+def _recorder(masks: dict[str, torch.Tensor], key: str) -> Callable[..., None]:
+    """A forward hook keeping the first mask (the zeros of the output) of a dropout module under `key`."""
+
+    def record(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
+        masks.setdefault(key, out == 0)
+
+    return record
+
+
 def _masks(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
     masks: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout):
-            key = name.rsplit(".", 1)[-1]
-            module.register_forward_hook(lambda _m, _i, out, key=key: masks.setdefault(key, out == 0))
+            module.register_forward_hook(_recorder(masks, name.rsplit(".", 1)[-1]))
     torch.manual_seed(1)
     model(x)
     return masks
