@@ -134,7 +134,7 @@ class LoopConfig:
         max_steps: optimizer steps to run in total (>= 1), or None for `epochs` only.
         strategy: "ddp", "zero1" (sharded optimizer state), "zero2" (+ gradients), "zero3" (+ parameters, FSDP
             full shard) or "auto" (the memory planner's choice for the model and devices).
-        seed: seeds the model initialisation, the per-epoch sample order and the per-step RNG.
+        seed: seeds the model initialisation, the per-epoch sample order and each micro-batch's random ops.
         deterministic: sample order is a function of (seed, epoch) only, independent of the world size, so loss
             curves at different world sizes agree step by step for models without random operations in training;
             dropout and other random ops draw from a generator seeded per micro-batch by its place in the step,

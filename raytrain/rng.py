@@ -4,8 +4,9 @@ Each micro-batch is seeded from (run seed, step, its first sample's position in 
 stage), not from the rank that trains it. The global layout of a step does not depend on W (`BatchPlan`: replica r
 takes the contiguous share after replicas 0..r-1, cut into micro-batches), so a micro-batch that holds the same
 samples at another W draws the same dropout masks: with dropout, the loss curve at dp 1 equals the curve at dp 2
-whenever each replica's share is a whole number of micro-batches of the same size at both (e.g. B = 96, micro 16,
-dp 1, 2, 3 or 6). With uneven shares the micro-batch cuts differ and so do the masks (an equally valid draw).
+whenever every step is cut into the same micro-batches at both (B = 96, micro 16: sixteens at dp 1, 2, 3 and 6,
+but twelves at dp 4). Where the cuts differ the masks differ (an equally valid draw): uneven shares, and with
+`drop_last=False` usually an epoch's final partial step.
 
 Inside a tensor-parallel region (from a colwise layer's output to the next rowwise layer's input: the activations
 are split over the tp ranks) each tp rank draws from its own stream, as Megatron's model-parallel RNG does: the
@@ -78,13 +79,23 @@ class MicroBatchSeeds:
 class TensorParallelRNG:
     """The tp-rank streams inside tensor-parallel regions of one model (see the module doc), kept by forward hooks:
     a colwise layer's output enters a region, a rowwise layer's input leaves it, the model's (or pipeline stage's)
-    forward starts and ends outside. Installed by `install_tp_rng`."""
+    forward starts and ends outside. Installed by `install_tp_rng`.
+
+    A region left open without its rowwise layer (a forward that raised, a checkpointed unit recomputed alone, which
+    ends inside a region or stops early) is recognised as stale at the next hook: the CPU generator no longer holds
+    the region's seed (`initial_seed()`; `MicroBatchSeeds` or checkpointing's RNG restore replaced it), so it is
+    dropped without touching the generators, and a colwise output enters a fresh region from the current state."""
 
     def __init__(self, tp_rank: int, device: torch.device | None) -> None:
         self.tp_rank, self.device = tp_rank, device
-        self.inside = False
         self._outside: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._seed = -1  # the current region's seed, -1 outside
         self.regions = 0  # regions entered so far (tests count them)
+
+    @property
+    def inside(self) -> bool:
+        """Whether the generators hold a region's stream (not a stale region's: see the class doc)."""
+        return self._seed >= 0 and torch.default_generator.initial_seed() == self._seed
 
     def _cuda(self) -> torch.Generator | None:
         if self.device is not None and self.device.type == "cuda":
@@ -99,21 +110,21 @@ class TensorParallelRNG:
         draw = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator).item())
         cuda = self._cuda()
         self._outside = (torch.default_generator.get_state(), cuda.get_state() if cuda is not None else None)
-        seed_generators(stream_seed(draw, self.tp_rank), self.device)
-        self.inside = True
+        self._seed = stream_seed(draw, self.tp_rank)
+        seed_generators(self._seed, self.device)
         self.regions += 1
 
     def leave(self, *_: Any) -> None:
-        """Back to the outside stream, where it was at the region's entry (a no-op outside a region)."""
-        if not self.inside:
-            return
-        assert self._outside is not None
-        cpu, cuda_state = self._outside
-        torch.default_generator.set_state(cpu)
-        cuda = self._cuda()
-        if cuda is not None and cuda_state is not None:
-            cuda.set_state(cuda_state)
-        self.inside, self._outside = False, None
+        """Back to the outside stream, where it was at the region's entry (a no-op outside a region; a stale region
+        is only forgotten)."""
+        if self.inside:
+            assert self._outside is not None
+            cpu, cuda_state = self._outside
+            torch.default_generator.set_state(cpu)
+            cuda = self._cuda()
+            if cuda is not None and cuda_state is not None:
+                cuda.set_state(cuda_state)
+        self._outside, self._seed = None, -1
 
 
 def install_tp_rng(
@@ -129,5 +140,5 @@ def install_tp_rng(
     for name in rowwise:
         modules[name].register_forward_pre_hook(rng.leave)
     model.register_forward_pre_hook(rng.leave)
-    model.register_forward_hook(rng.leave)
+    model.register_forward_hook(rng.leave, always_call=True)  # also when the forward raised
     return rng

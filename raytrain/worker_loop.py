@@ -488,10 +488,10 @@ def settle_heap() -> None:
 
 
 def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> Step:
-    """Set up the next optimizer step on `data` (this rank's micro-batches): its LR `lr` (`Run.lr_at`), its random
-    seed (restart-proof; one draw per tensor-parallel group), the fault points of tests; returns the `Step` to
-    train, whose loss collective also carries the loop's agreement (`_agreement`; `data_wait`: this rank's wait
-    for `data`, seconds)."""
+    """Set up the next optimizer step on `data` (this rank's micro-batches): its LR `lr` (`Run.lr_at`), the seeds of its
+    micro-batches (`raytrain.rng.MicroBatchSeeds`: by their place in the step, the same at every W and after a
+    restart), the fault points of tests; returns the `Step` to train, whose loss collective also carries the loop's
+    agreement (`_agreement`; `data_wait`: this rank's wait for `data`, seconds)."""
     state, spec = run.state, run.spec
     set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)

@@ -107,8 +107,8 @@ class JsonTracker:
 
 ADAMW_LR = LRConfig(base_lr=0.01, warmup_steps=2, schedule="cosine", min_lr_ratio=0.1, decay_steps=8)
 RESUMES = {
-    # AdamW with three parameter groups (own weight decay, half LR for the first layer) and its state sharded by
-    # zero1, dropout (its draws are seeded per seed, step and rank), a cosine schedule with warmup over an explicit
+    # AdamW with three parameter groups (own weight decay, half LR for the first layer) and its state sharded by zero1,
+    # dropout (its draws are seeded per seed, step and micro-batch), a cosine schedule with warmup over an explicit
     # decay length, clipping; two trackers (TensorBoard and one of the user's own) see every step once, and a torn
     # metrics line (a crash or a full disk mid-write) does not break the resume
     "zero1-adamw-dropout-trackers": {

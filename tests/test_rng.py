@@ -122,3 +122,35 @@ def test_activation_checkpointing_recomputes_the_same_region_masks() -> None:
         model(x).square().sum().backward()
         grads.append([p.grad.clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_a_region_left_open_is_dropped_not_restored_at_the_next_forward() -> None:
+    """A colwise layer called on its own (or a forward that stopped inside a region) leaves the region open; the
+    next forward, seeded anew, draws exactly what a fresh model draws (the stale outside state is not restored
+    over the new seed)."""
+    x = torch.randn(16, 4)
+    fresh = _masks(_model(1)[0], x)
+    model, rng = _model(1)
+    model[0].up(x)  # enters a region that no rowwise layer closes
+    assert rng.inside
+    again = _masks(model, x)
+    assert all(torch.equal(fresh[key], again[key]) for key in ("inside", "outside"))
+    assert not rng.inside
+
+
+def test_a_checkpoint_unit_holding_one_side_of_a_tp_pair_is_not_checkpointed() -> None:
+    """Direct children as units (no repeated blocks): the colwise and the rowwise layer are separate units, so
+    neither is checkpointed, and the line says so; repeated blocks holding whole pairs are."""
+    from raytrain.parallel.apply import _checkpoint_blocks
+    from raytrain.toy import GPT
+
+    split = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    line = _checkpoint_blocks(split, {"0": "colwise", "2": "rowwise"})
+    assert line is not None and "0, 2 not checkpointed" in line, line
+    gpt = GPT()
+    assert (
+        _checkpoint_blocks(
+            gpt, {f"blocks.{i}.{n}": s for i in (0, 1) for n, s in (("fc", "colwise"), ("out", "rowwise"))}
+        )
+        is None
+    )

@@ -36,7 +36,7 @@ over the global batch. The ranks of one TP group compute the same loss on the sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -181,13 +181,27 @@ def _is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
-def _checkpoint_blocks(model: nn.Module) -> None:
-    """Activation checkpointing on every repeated block (else every direct child): recompute in backward."""
+def _checkpoint_blocks(model: nn.Module, tp_plan: Mapping[str, str] | None = None) -> str | None:
+    """Activation checkpointing on every repeated block (else every direct child): recompute in backward. Under
+    tensor parallelism a unit holding only one side of a colwise -> rowwise pair would start or end its recompute
+    inside a region of the tp rank's own random stream (`raytrain.rng`) and recompute other dropout masks: such a
+    unit is not checkpointed; returns the line saying which, or None."""
     from torch.distributed._composable import checkpoint
 
-    blocks = [module for _, module in repeated_blocks(model)] or list(model.children())
-    for block in blocks:
+    named = [(name, module) for name, module in repeated_blocks(model)] or list(model.named_children())
+    skipped = []
+    for name, block in named:
+        styles = {s for planned, s in (tp_plan or {}).items() if planned == name or planned.startswith(name + ".")}
+        if len(styles) == 1:
+            skipped.append(name)
+            continue
         checkpoint(block)
+    if not skipped:
+        return None
+    return (
+        f"activation checkpointing: {', '.join(skipped)} not checkpointed (each holds one side of a tensor-parallel "
+        "colwise -> rowwise pair; recomputing it alone would draw other dropout masks)"
+    )
 
 
 def _compile_blocks(model: nn.Module) -> None:
@@ -240,6 +254,7 @@ def apply_parallelism(
         line = keep_stage(model, stage, dims.pp)
         if log is not None:
             log(line)
+    resolved: dict[str, str] = {}
     if dims.tp > 1:
         if not tp_plan:
             raise ValueError("tp > 1 needs a tensor-parallel plan")
@@ -249,7 +264,9 @@ def apply_parallelism(
             if log is not None:
                 log(line)
     if activation_checkpointing:
-        _checkpoint_blocks(model)
+        skipped = _checkpoint_blocks(model, resolved)
+        if skipped and log is not None:
+            log(skipped)
     if compile_blocks:
         _compile_blocks(model)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
