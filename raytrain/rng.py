@@ -134,11 +134,13 @@ def install_tp_rng(
     inputs leave it), and `model` itself (its forward starts and ends outside any region); returns the
     `TensorParallelRNG` they share. Call after `parallelize_module`, whose hooks then run first."""
     rng = TensorParallelRNG(tp_rank, device)
+    # Run eagerly inside a compiled block (`compile_blocks`): generator state is not something to trace
+    enter, leave = torch.compiler.disable(rng.enter), torch.compiler.disable(rng.leave)
     modules = dict(model.named_modules())
     for name in colwise:
-        modules[name].register_forward_hook(rng.enter)
+        modules[name].register_forward_hook(enter)
     for name in rowwise:
-        modules[name].register_forward_pre_hook(rng.leave)
-    model.register_forward_pre_hook(rng.leave)
-    model.register_forward_hook(rng.leave, always_call=True)  # also when the forward raised
+        modules[name].register_forward_pre_hook(leave)
+    model.register_forward_pre_hook(leave)
+    model.register_forward_hook(leave, always_call=True)  # also when the forward raised
     return rng

@@ -268,16 +268,26 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     return {name: _full(p) for name, p in unwrap(model).named_parameters(remove_duplicate=False)}
 
 
-def _tp_dropout(rank: int, world: int) -> dict[str, object]:
+def _tp_dropout(rank: int, world: int, checkpointing: bool = False) -> dict[str, object]:
     """tp 2 at dp = world / 2: the toy GPT with dropout trains STEPS steps of 8 samples in micro-batches of 2 (dp 1
     cuts 2+2+2+2, dp 2 cuts 2+2 | 2+2: the same micro-batches), each seeded as the worker loop seeds it. Returns
     the full parameters and block 0's first dropout masks: inside the split MLP (this rank's hidden units) and on
-    the residual branch (whole on every tp rank)."""
+    the residual branch (whole on every tp rank). `checkpointing`: each block recomputed in the backward."""
     dims = ParallelDims.of(world, tp=2)
     mesh, coords, cpu = dims.build_mesh("cpu"), dims.coords(rank), torch.device("cpu")
     built = record_build(lambda: GPT(**SHAPE, dropout=0.3).to(torch.float64))
     plan = resolve_plan(built.model, TP_PLANS["gpt"](built.model), dims.tp)
-    model = apply_parallelism(built.model, "ddp", cpu, dims, mesh=mesh, tp_plan=plan, init=built.trace, seed=0)
+    model = apply_parallelism(
+        built.model,
+        "ddp",
+        cpu,
+        dims,
+        mesh=mesh,
+        tp_plan=plan,
+        init=built.trace,
+        seed=0,
+        activation_checkpointing=checkpointing,
+    )
     masks: dict[str, torch.Tensor] = {}
     for name in ("hidden_drop", "resid_drop"):
 
@@ -307,10 +317,11 @@ def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
         except Exception:
             results[case.name] = {"params": None, "error": traceback.format_exc()}
         dist.barrier()
-    try:
-        results["tp-dropout"] = {"result": _tp_dropout(rank, world), "error": None}
-    except Exception:
-        results["tp-dropout"] = {"result": None, "error": traceback.format_exc()}
+    for key, checkpointing in (("tp-dropout", False), ("tp-dropout-ac", True)):
+        try:
+            results[key] = {"result": _tp_dropout(rank, world, checkpointing), "error": None}
+        except Exception:
+            results[key] = {"result": None, "error": traceback.format_exc()}
     return results
 
 
@@ -471,14 +482,7 @@ def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_ac
     """Inside a tensor-parallel region (the MLP's hidden units, split over tp) each tp rank draws its own dropout
     mask; on the residual branch (whole on every tp rank) the ranks draw the same one. tp 2 at dp 2 trains the
     parameters of tp 2 at dp 1 (the same micro-batches, seeded by their place in the step, not by the rank)."""
-    runs = {}
-    for world in (2, 4):
-        per_rank = _world(world)
-        errors = [
-            f"rank {r}:\n{res['tp-dropout']['error']}" for r, res in enumerate(per_rank) if res["tp-dropout"]["error"]
-        ]
-        assert not errors, "\n".join(errors)
-        runs[world] = [res["tp-dropout"]["result"] for res in per_rank]
+    runs = {world: _tp_dropout_runs(world, "tp-dropout") for world in (2, 4)}
     tp0, tp1 = runs[2]  # one replica, tp ranks 0 and 1
     assert (tp0["tp"], tp1["tp"]) == (0, 1)
     inside0, inside1 = tp0["masks"]["hidden_drop"], tp1["masks"]["hidden_drop"]
@@ -491,5 +495,22 @@ def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_ac
         for a, b in ((runs[4][0], tp0), (runs[4][1], tp1))
         for name in a["params"]
     )
-    print(f"tp 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}")
+    recomputed = _max_param_diff(_tp_dropout_runs(2, "tp-dropout-ac"), runs[2])
+    print(f"tp 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}; activation checkpointing vs none {recomputed:.3e}")
     assert worst < TOLERANCE, worst
+    assert recomputed < TOLERANCE, f"the backward's recompute drew other masks: {recomputed}"
+
+
+def _tp_dropout_runs(world: int, key: str) -> list[dict[str, Any]]:
+    per_rank = _world(world)
+    errors = [f"rank {r}:\n{res[key]['error']}" for r, res in enumerate(per_rank) if res[key]["error"]]
+    assert not errors, "\n".join(errors)
+    return [res[key]["result"] for res in per_rank]
+
+
+def _max_param_diff(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    return max(
+        float((x["params"][name] - y["params"][name]).abs().max())
+        for x, y in zip(a, b, strict=True)
+        for name in x["params"]
+    )
