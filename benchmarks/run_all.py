@@ -5,7 +5,7 @@ sees the machine as it is then), the last line of each run (its JSON headline) i
 is summarised as min / median / max over the repetitions. A goal is "met" only when the worst repetition meets it
 (`tables.py`). The results file is
 
-    benchmarks/results/<YYYY-MM-DD>-<commit>.json   {"machine", "versions", "commit", "date", "settings",
+    benchmarks/results/<YYYY-MM-DD>-<commit>.json   {"machine", "versions", "commit", "date", "settings", "complete",
                                                      "benchmarks": {name: {"runs": [...], "figures": {key:
                                                      {"min", "median", "max"}}, "wall_s", "failed"}}}
 
@@ -154,7 +154,11 @@ def main() -> None:
         "reps": reps,
         "settings": {name: argv for name, argv in chosen.items()},
         "benchmarks": {},
+        "complete": False,  # True once every chosen benchmark ran
     }
+    day = results["date"][:10]
+    out = Path(args.out) if args.out else RESULTS / f"{day}-{results['commit']}{'-quick' if args.quick else ''}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name, argv in chosen.items():
         runs, tails, seconds = [], [], []
         for rep in range(reps):
@@ -171,10 +175,10 @@ def main() -> None:
             "wall_s": seconds,
             "failed": tails,
         }
-    results["wall_s"] = round(time.monotonic() - started, 1)
-    day = results["date"][:10]
-    out = Path(args.out) if args.out else RESULTS / f"{day}-{results['commit']}{'-quick' if args.quick else ''}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+        # Written after every benchmark: a run stopped part-way keeps what it measured (`complete` stays False)
+        results["wall_s"] = round(time.monotonic() - started, 1)
+        out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    results["complete"] = True
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     failed = [name for name, b in results["benchmarks"].items() if b["failed"]]
     print(f"[run_all] wrote {out} in {results['wall_s']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
