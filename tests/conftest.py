@@ -111,13 +111,6 @@ _GLOO_FILES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Slow tests first, then the other Ray tests, then the rest (in file order within each): with two test
-    processes, the minutes-long scenarios start early and on both, and the short tests fill in at the end."""
-    rank = {"slow": 0, "ray": 1}
-    items.sort(key=lambda item: min((rank[m.name] for m in item.iter_markers() if m.name in rank), default=2))
-
-
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Add each test's time (setup, call and teardown) to its tier's total."""
     _TIMES.setdefault(_tier(report), []).append(report.duration)
