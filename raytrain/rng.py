@@ -50,12 +50,20 @@ def micro_batch_seed(seed: int, step: int, offset: int, stage: int = 0) -> int:
     return stream_seed(seed, step, offset, stage)
 
 
+def cuda_generator(device: torch.device | None) -> torch.Generator | None:
+    """The generator of a CUDA `device`, None for any other device."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return None
+
+
 def seed_generators(value: int, device: torch.device | None = None) -> None:
     """Seed the CPU generator and, for a CUDA `device`, that device's generator with `value` (`torch.manual_seed`
     would visit every device type: 90 us here)."""
     torch.default_generator.manual_seed(value)
-    if device is not None and device.type == "cuda":
-        torch.cuda.default_generators[device.index or 0].manual_seed(value)
+    cuda = cuda_generator(device)
+    if cuda is not None:
+        cuda.manual_seed(value)
 
 
 class MicroBatchSeeds:
@@ -97,18 +105,13 @@ class TensorParallelRNG:
         """Whether the generators hold a region's stream (not a stale region's: see the class doc)."""
         return self._seed >= 0 and torch.default_generator.initial_seed() == self._seed
 
-    def _cuda(self) -> torch.Generator | None:
-        if self.device is not None and self.device.type == "cuda":
-            return torch.cuda.default_generators[self.device.index or 0]
-        return None
-
     def enter(self, *_: Any) -> None:
         """Switch to this tp rank's stream of the region starting here (a no-op inside a region). The region's seed
         is drawn from the outside stream, identically on every tp rank, then made the rank's own."""
         if self.inside:
             return
         draw = int(torch.randint(0, 2**62, (1,), generator=torch.default_generator).item())
-        cuda = self._cuda()
+        cuda = cuda_generator(self.device)
         self._outside = (torch.default_generator.get_state(), cuda.get_state() if cuda is not None else None)
         self._seed = stream_seed(draw, self.tp_rank)
         seed_generators(self._seed, self.device)
@@ -121,7 +124,7 @@ class TensorParallelRNG:
             assert self._outside is not None
             cpu, cuda_state = self._outside
             torch.default_generator.set_state(cpu)
-            cuda = self._cuda()
+            cuda = cuda_generator(self.device)
             if cuda is not None and cuda_state is not None:
                 cuda.set_state(cuda_state)
         self._outside, self._seed = None, -1

@@ -63,29 +63,17 @@ def ray_head_env() -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="session")
-def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> list[float]:
+def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     """The reference the elastic and fault tests compare with: one worker on one fake node, no event, 100 steps
-    (the loss curve is the same at every world size: the runs it is compared with train at 2 to 4). Trained once
-    per test session: the first test process to need it trains it under a file lock, the other reads its file."""
-    import json
-
-    from filelock import FileLock
+    (the loss curve is the same at every world size: the runs it is compared with train at 2 to 4)."""
     from ray_helpers import demo, losses
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if hasattr(request.config, "workerinput") else base  # xdist: the session's directory
-    path = shared / "fixed_size_losses.json"
-    with FileLock(str(path) + ".lock"):
-        if path.exists():
-            return list(json.loads(path.read_text()))
-        tmp = tmp_path_factory.mktemp("fixed")
-        summary = demo(
-            tmp, "fixed", "--nodes", "1", "--workers", "1", "--events", "none", "--steps", "100", "--sample-time", "0"
-        )
-        assert summary["world_sizes"] == [1]
-        reference = losses(summary)
-        path.write_text(json.dumps(reference))
-        return reference
+    tmp = tmp_path_factory.mktemp("fixed")
+    summary = demo(
+        tmp, "fixed", "--nodes", "1", "--workers", "1", "--events", "none", "--steps", "100", "--sample-time", "0"
+    )
+    assert summary["world_sizes"] == [1]
+    return losses(summary)
 
 
 # ---------------------------------------------------------------- per-tier times (`.ci/run` prints them)
