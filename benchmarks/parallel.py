@@ -19,6 +19,18 @@ Printed last, as one JSON line (ratios against dp 4 in the same run):
     step_time_ratio_<layout> median step time / dp 4's (2 CPU cores for 4 processes: communication-bound)
     losses_equal             every layout's loss curve equals dp 4's (rel. 1e-4, the elastic tests' tolerance: fp32
                              sums in another order); max_loss_rel_diff gives the largest difference
+
+Pipeline schedules: the same model cut into 4 stages (pp 4, dp 1), 8 micro-batches a step, under GPipe and 1F1B.
+Per stage: the activation peak (LiveBytes' peak during the steps minus the bytes live before them: what the
+schedule holds in flight) and the bubble (seconds the stage was blocked waiting for a neighbour / its step time,
+`raytrain.parallel.pipeline.PipelineStats`):
+
+    activation_peak_ratio_1f1b   1F1B's largest stage activation peak / GPipe's (1F1B holds at most pp = 4 of the 8
+                                 micro-batches on stage 0, GPipe all 8: expect about 4/8)
+    bubble_gpipe, bubble_1f1b    the largest stage's idle fraction (the same schedule length in theory: (pp - 1) /
+                                 (micro + pp - 1) of forward + backward time on each stage; on 2 cores for 4
+                                 processes, waits also include the CPU the others hold)
+    schedule_losses_equal        both schedules train the same loss curve (rel. 1e-6)
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import argparse
 import functools
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -39,7 +52,9 @@ from raytrain.model_init import record_build
 from raytrain.optim import build_optimizer
 from raytrain.parallel.apply import apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims
+from raytrain.parallel.pipeline import PipelineStats
 from raytrain.parallel.tensor import resolve_plan
+from raytrain.step import Step
 from raytrain.testing.multiprocess import run_world
 from raytrain.toy import adamw, block_mlp, block_mlp_tp_plan, squared_error
 from raytrain.worker_loop import train_step
@@ -116,12 +131,60 @@ def run_layout(rank: int, name: str, width: int, blocks: int, steps: int) -> dic
     }
 
 
+SCHEDULE_MICRO_BATCHES = 8
+SCHEDULE_ROWS = {64: 64, 512: 256}  # rows per micro-batch by model width (--quick, full)
+
+
+def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) -> dict[str, Any]:
+    """pp = WORLD stages, dp 1, `SCHEDULE_MICRO_BATCHES` micro-batches a step under `schedule`: this stage's peak
+    bytes during the forwards and backwards (the tensors they make: activations in flight and the stage's
+    gradients), its waits and step times, and the losses."""
+    dims = ParallelDims.of(WORLD, pp=WORLD)
+    coords = dims.coords(rank)
+    mesh = dims.build_mesh("cpu")
+    rows = SCHEDULE_ROWS[width]  # per micro-batch: enough that activations, not parameters, fill a stage
+    batch = rows * SCHEDULE_MICRO_BATCHES
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch * steps, FEATURES, generator=generator)
+    y = torch.tanh(x.sum(dim=1, keepdim=True)).squeeze(1)
+    built = record_build(functools.partial(block_mlp, FEATURES, width, blocks))
+    model = apply_parallelism(
+        built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, stage=coords.pp, init=built.trace
+    )
+    optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
+    stats = PipelineStats()
+    policy = replace(
+        step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, pp_schedule=schedule), pipeline_stats=stats
+    )
+    losses, peaks = [], []
+    for step in range(steps):
+        start = step * batch
+        micro = [{"x": x[s : s + rows], "y": y[s : s + rows]} for s in range(start, start + batch, rows)]
+        dist.barrier()
+        tracker = LiveBytes()
+        with tracker:
+            walk = Step(model, optimizer, micro, 1, batch, None, policy)
+            walk.pipeline(squared_error)
+            tracker.mark("walked")
+        peaks.append(tracker.marks["walked"][1])
+        losses.append(walk.optimizer_step().loss_sum / batch)
+    return {
+        "activation_peak": max(peaks),
+        "bubble": stats.wait_s / stats.step_s,
+        "in_flight": stats.most_in_flight,
+        "losses": losses,
+    }
+
+
 def rank_main(rank: int, world: int, width: int, blocks: int, steps: int) -> dict[str, dict[str, Any]]:
     quiet_fsdp_warnings()
     torch.manual_seed(0)
     results = {}
     for name in LAYOUTS:
         results[name] = run_layout(rank, name, width, blocks, steps)
+        dist.barrier()
+    for schedule in ("gpipe", "1f1b"):
+        results[f"schedule-{schedule}"] = run_schedule(rank, schedule, width, blocks, steps)
         dist.barrier()
     return results
 
@@ -182,6 +245,23 @@ def main() -> None:
         result[f"step_time_ratio_{name}"] = round(worst[name]["step_s"] / base["step_s"], 2)
     for name in MODEL_PARALLEL:
         result[f"peak_ratio_{name}_vs_zero3"] = round(worst[name]["peak"] / zero3["peak"], 3)
+    schedules = {s: [r[f"schedule-{s}"] for r in per_rank] for s in ("gpipe", "1f1b")}
+    print(
+        f"pipeline schedules: pp {WORLD}, dp 1, {SCHEDULE_MICRO_BATCHES} micro-batches of {SCHEDULE_ROWS[width]} "
+        "rows a step; per stage: peak MB during the forwards and backwards (activations in flight + the stage's "
+        "gradients), most micro-batches in flight, bubble (waiting / step time)"
+    )
+    schedule_rows = [
+        [s, *(f"{r['activation_peak'] / 1e6:.2f} / {r['in_flight']} / {r['bubble']:.2f}" for r in ranks)]
+        for s, ranks in schedules.items()
+    ]
+    print(table(["schedule", *(f"stage {stage}" for stage in range(WORLD))], schedule_rows))
+    gpipe_peak = max(r["activation_peak"] for r in schedules["gpipe"])
+    result["activation_peak_ratio_1f1b"] = round(max(r["activation_peak"] for r in schedules["1f1b"]) / gpipe_peak, 3)
+    for s, ranks in schedules.items():
+        result[f"bubble_{s}"] = round(max(r["bubble"] for r in ranks), 3)
+    last_stage = (schedules["gpipe"][-1]["losses"], schedules["1f1b"][-1]["losses"])
+    result["schedule_losses_equal"] = all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(*last_stage, strict=True))
     print(f"wall time {time.perf_counter() - began:.1f} s")
     print_headline(result)
 

@@ -1,10 +1,15 @@
 """Train a tiny character-level transformer language model on Shakespeare's sonnets with raytrain.
 
     python examples/train_char_lm.py [--workers 2] [--steps N] [--storage DIR] [--strategy ddp|zero1|zero2|zero3|auto]
+                                     [--pp 2 [--pp-schedule gpipe|1f1b]]
 
 The text, examples/data/shakespeare_sonnets.txt, is 23 of Shakespeare's sonnets (1609; public domain), in the
 modernised spelling of the Project Gutenberg edition (eBook #1041), numbered as in the original. About 13 KB:
 small enough to train on in a minute on two CPU cores, large enough to watch the loss fall.
+
+With `--pp 2` the model is cut into two pipeline stages between its blocks (`CharTransformer.pipeline_split`), one
+per worker of a replica, and the step's micro-batches flow through them in the `--pp-schedule` order; the final
+checkpoint still loads into one whole model for the sample.
 
 With RAY_ADDRESS set it joins that cluster; otherwise it starts a local Ray instance. The run goes to
 <storage>/<run-name> (default ./raytrain_runs/char_lm); running the same command again resumes from the latest
@@ -31,7 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raytrain.config import STRATEGIES, BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+from raytrain.config import (
+    PP_SCHEDULES,
+    STRATEGIES,
+    BatchConfig,
+    CheckpointConfig,
+    ClusterConfig,
+    LoopConfig,
+    LRConfig,
+    ParallelConfig,
+)
 from raytrain.trainer import ElasticTrainer, connect_ray
 
 TEXT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "shakespeare_sonnets.txt")
@@ -83,6 +97,11 @@ class CharTransformer(nn.Module):
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size)
+
+    def pipeline_split(self) -> dict[str, Any]:
+        """How raytrain cuts this model into pipeline stages (`ParallelConfig(pp=...)`): between the blocks of the
+        encoder's layer list; the embeddings run before them (first stage), the norm and head after (last)."""
+        return {"blocks": "blocks.layers", "first": ["token", "position"], "last": ["norm", "head"]}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits [n, T, vocab] for tokens [n, T]; position t only attends to positions <= t."""
@@ -159,6 +178,8 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=32, help="windows per optimizer step, all workers")
     parser.add_argument("--stride", type=int, default=16, help="characters between window starts")
     parser.add_argument("--sample", type=int, default=100, help="characters to sample at the end (0: none)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages, one worker each (default 1)")
+    parser.add_argument("--pp-schedule", default="gpipe", choices=PP_SCHEDULES, help="pipeline schedule")
     args = parser.parse_args()
 
     import ray
@@ -211,6 +232,8 @@ def main() -> None:
         checkpoint=checkpoint,
         cluster=cluster,
         required_columns=("x", "y"),  # checked on the driver before any worker starts
+        # W workers = pp stages x W / pp data-parallel replicas; the global batch is split over the replicas
+        parallel=ParallelConfig(pp=args.pp, pp_schedule=args.pp_schedule),
     )
     result = trainer.fit()  # blocks; survives worker failures and resizes up to max_failures
 

@@ -23,6 +23,8 @@ GradAccumulation = Literal["auto", "unsharded", "sharded"]
 GRAD_ACCUMULATIONS: tuple[str, ...] = get_args(GradAccumulation)
 InitMode = Literal["auto", "meta", "full"]
 INIT_MODES: tuple[str, ...] = get_args(InitMode)
+PPSchedule = Literal["gpipe", "1f1b"]
+PP_SCHEDULES: tuple[str, ...] = get_args(PPSchedule)  # raytrain.parallel.pipeline.SCHEDULES
 
 
 def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -218,13 +220,17 @@ class ParallelConfig:
             and elasticity are per replica, so W grows and shrinks in whole replicas (min_workers and max_workers
             must be multiples of tp, and every node must hold a multiple of tp workers). The dp axis runs the
             strategy: ddp (one gradient all-reduce per step), zero2 or zero3 (FSDP2 over dp; 2-D); not zero1.
-        pp: pipeline stages (>= 1): an `nn.Sequential` model is cut into `pp` stages of balanced parameter counts
-            (`raytrain.parallel.pipeline`), one per worker of a replica, and raytrain's accumulation micro-batches
-            flow through them (GPipe). A replica is tp * pp workers (TP innermost, stages across nodes); the same
-            rules as for tp apply to min_workers, max_workers, the strategy and the precision.
+        pp: pipeline stages (>= 1): the model is cut into `pp` stages of balanced parameter counts between its
+            blocks (an `nn.Sequential`, a transformers decoder, a model with `pipeline_split()`:
+            `raytrain.parallel.pipeline`), one per worker of a replica, and raytrain's accumulation micro-batches
+            flow through them (`pp_schedule`). A replica is tp * pp workers (TP innermost, stages across nodes);
+            the same rules as for tp apply to min_workers, max_workers, the strategy and the precision.
             tp and pp may both be "auto": the driver applies `raytrain plan`'s recommendation for the model at
             `min_workers` before any worker starts (`raytrain.parallel.layout`); needs `device_memory_gb` and
             `workers_per_node`.
+        pp_schedule: the pipeline's schedule: "gpipe" (default: every micro-batch's forward, then every backward;
+            holds all the step's micro-batches' activations) or "1f1b" (a forward and a backward in turn once the
+            pipeline is full: at most pp micro-batches in flight per stage, the same bubble).
         device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
         workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
     """
@@ -236,6 +242,7 @@ class ParallelConfig:
     compile: bool = False
     tp: int | Literal["auto"] = 1
     pp: int | Literal["auto"] = 1
+    pp_schedule: str = "gpipe"
     device_memory_gb: float | None = None
     workers_per_node: int | None = None
 
@@ -267,6 +274,7 @@ class ParallelConfig:
         _one_of("init", self.init, INIT_MODES)
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
+        _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         for name in ("activation_checkpointing", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -141,6 +141,61 @@ def _loss_error(loss_fn: Callable[..., Any], err: Exception, rows: int, columns:
     )
 
 
+def check_pipeline(
+    model_fn: Callable[[], nn.Module],
+    loss_fn: Callable[..., Any],
+    sample: dict[str, np.ndarray],
+    pp: int,
+    build_cpu_model: Callable[[], nn.Module],
+) -> str:
+    """With `pp` > 1: run `sample` through the `pp` stage models one after another in this process, as the pipeline
+    runs them (`raytrain.parallel.pipeline.chain_stages`), and compare with the whole model's losses. On a real CPU
+    model (`build_cpu_model`, in eval mode) when the model has at most `CPU_CHECK_MAX_PARAMS` parameters: the
+    values must agree, so a split whose first or last modules are not the ones the forward runs before or after the
+    blocks is refused; larger models on the meta device (shapes only). `ConfigError` naming the problem. Returns a
+    line for the log."""
+    import copy
+
+    from raytrain.data.materialized import to_tensors
+    from raytrain.parallel.pipeline import chain_stages, keep_stage
+
+    rows = len(next(iter(sample.values())))
+    size = sum(p.numel() for p in build_model_for_check(model_fn).parameters())
+    real = size <= CPU_CHECK_MAX_PARAMS
+    whole = build_cpu_model().eval() if real else build_model_for_check(model_fn)
+    batch = to_tensors(sample, "cpu" if real else "meta")
+    stages = []
+    for stage in range(pp):
+        model = copy.deepcopy(whole)
+        keep_stage(model, stage, pp)
+        stages.append(model)
+    try:
+        with torch.no_grad():
+            chained = chain_stages(stages, loss_fn, batch)
+            expected = loss_fn(whole, batch) if real else None
+    except ConfigError:
+        raise
+    except Exception as err:
+        if not real:
+            return f"pipeline check skipped: the stages do not run on the meta device ({type(err).__name__})"
+        raise ConfigError(
+            f"the {pp} pipeline stages, chained on {rows} samples, raised {type(err).__name__}: {err}"
+        ) from None
+    if expected is None:
+        return f"pipeline check: {pp} stages chained on {rows} samples (meta device: shapes only)"
+    difference = float((chained.double() - expected.double()).abs().max()) if chained.shape == expected.shape else None
+    if difference is None or not torch.allclose(chained.double(), expected.double(), rtol=1e-4, atol=1e-5):
+        raise ConfigError(
+            f"the {pp} pipeline stages, chained on {rows} samples, compute other losses than the whole model "
+            f"({'shape ' + str(tuple(chained.shape)) if difference is None else f'max difference {difference:.3g}'}):"
+            " the split's first and last modules must be exactly those the forward runs before and after the blocks"
+        )
+    return (
+        f"pipeline check: {pp} stages chained on {rows} samples give the whole model's losses (max difference "
+        f"{difference:.1e})"
+    )
+
+
 def check_stage_ties(
     model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFactory, pp: int, lr: float
 ) -> list[str]:

@@ -30,7 +30,7 @@ from raytrain.parallel.apply import (
     micro_step,
     tied_gradients,
 )
-from raytrain.parallel.pipeline import check_losses, gpipe_step, widen
+from raytrain.parallel.pipeline import check_losses, pipeline_step, widen
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -147,11 +147,12 @@ class Step:
         self._current = None
 
     def pipeline(self, loss_fn: LossFn) -> None:
-        """A pipeline stage's forwards and backwards of all its micro-batches (GPipe; collective over the stages)."""
+        """A pipeline stage's forwards and backwards of all its micro-batches in the layout's schedule (GPipe or
+        1F1B; collective over the stages)."""
         assert self.policy.pipeline is not None, "not a pipeline-parallel step"
         device = next(self.model.parameters()).device
         sync = backward_sync(self.model, self.policy)
-        self._local_sum += gpipe_step(
+        self._local_sum += pipeline_step(
             self.model,
             self._micro,
             loss_fn,
@@ -161,6 +162,7 @@ class Step:
             sync,
             autocast_dtype=self.policy.autocast_dtype,
             seeds=self.seeds,
+            stats=self.policy.pipeline_stats,
         )
         self._walked = True
 

@@ -221,6 +221,11 @@ class GPT(nn.Module):
             h = block(h)
         return self.head(self.norm(h))
 
+    def pipeline_split(self) -> dict[str, object]:
+        """The pipeline split (`raytrain.parallel.pipeline`): the embeddings run before the blocks (first stage),
+        the final norm and the head after them (last stage)."""
+        return {"blocks": "blocks", "first": ["token", "position"], "last": ["norm", "head"]}
+
     def tp_plan(self) -> dict[str, str]:
         """The tensor-parallel plan (`raytrain.parallel.tensor`): attention and MLP split Megatron-style;
         embeddings, norms and the head stay whole."""

@@ -559,7 +559,9 @@ class ElasticTrainer:
 
         if self.layout_reason:
             say(self.layout_reason)
-        for line in check_model_parallel(self.model_fn, *spec.parallel.degrees, self.tp_plan_fn):
+        for line in check_model_parallel(
+            self.model_fn, *spec.parallel.degrees, self.tp_plan_fn, spec.parallel.pp_schedule
+        ):
             say(line)
         if spec.parallel.degrees[1] > 1:
             from raytrain.preflight import check_stage_ties
@@ -594,11 +596,11 @@ class ElasticTrainer:
         note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
         if note:
             say(note)
-        if self.spec.parallel.degrees[1] > 1:
-            from raytrain.data.materialized import to_tensors
-            from raytrain.parallel.pipeline import model_inputs
+        pp = self.spec.parallel.degrees[1]
+        if pp > 1:
+            from raytrain.preflight import check_pipeline
 
-            model_inputs(self.loss_fn, to_tensors(sample, "cpu"))  # the first stage's input: one tensor
+            say(check_pipeline(self.model_fn, self.loss_fn, sample, pp, cpu_model))
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""

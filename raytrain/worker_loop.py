@@ -40,7 +40,7 @@ from raytrain.model_init import InitTrace, record_build
 from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
 from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import gpipe_step, stage_ties
+from raytrain.parallel.pipeline import pipeline_step, stage_ties
 from raytrain.parallel.strategy import resolve_layout
 from raytrain.parallel.tensor import TPPlanFn, plan_of
 from raytrain.rank0 import Rank0Log
@@ -106,7 +106,7 @@ def evaluate(
         picked = mine[j * micro_batch : (j + 1) * micro_batch]
         batch = to_tensors({k: v[picked] for k, v in columns.items()}, device)
         if policy.pipeline is not None:
-            total += gpipe_step(model, [batch], loss_fn, 1.0, policy.pipeline, device, backward=False)
+            total += pipeline_step(model, [batch], loss_fn, 1.0, policy.pipeline, device, backward=False)
         else:
             total += float(loss_fn(model, batch).sum())
     model.train(was_training)
@@ -385,7 +385,9 @@ def start_run(job: WorkerJob) -> Run:
         units_fn=job.units_fn,
         log=log.print,
     )
-    policy = step_policy(strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords, ties)
+    policy = step_policy(
+        strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords, ties, parallel.pp_schedule
+    )
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
     optimizer = build_optimizer(model, job.optimizer_fn, built_lr, strategy)

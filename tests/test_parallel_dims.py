@@ -3,6 +3,7 @@ group stays on one node, and the tensor-parallel plan's checks on a meta model. 
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -10,13 +11,24 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from user_models import NanoGPT, gpt2, llama
 
 from raytrain.errors import ConfigError
 from raytrain.parallel.apply import repeated_blocks
 from raytrain.parallel.dims import Coords, ParallelDims, check_tp_within_nodes
-from raytrain.parallel.pipeline import keep_stage, model_inputs, pipeline_units, stage_bounds
+from raytrain.parallel.pipeline import (
+    chain_stages,
+    cut_stages,
+    keep_stage,
+    pipeline_units,
+    schedule_order,
+    split_of,
+    stage_bounds,
+    stage_models,
+    stage_ties,
+)
 from raytrain.parallel.tensor import check_tp_plan, plan_of, resolve_plan
-from raytrain.toy import GPT, block_mlp, block_mlp_tp_plan, mlp, mlp_tp_plan, squared_error
+from raytrain.toy import GPT, block_mlp, block_mlp_tp_plan, mlp, mlp_tp_plan, next_token_loss
 
 
 @given(tp=st.integers(1, 8), pp=st.integers(1, 8), dp=st.integers(1, 8))
@@ -122,14 +134,121 @@ def test_keep_stage_keeps_names_and_replaces_the_other_units() -> None:
     mlp_stage = _meta(mlp)
     keep_stage(mlp_stage, 0, 2)  # "2" (the second linear layer) is an Identity here: its pattern matches nothing
     assert resolve_plan(mlp_stage, mlp_tp_plan(_meta(mlp)), 2, stage=True) == {"0": "colwise"}
-    with pytest.raises(ConfigError, match=r"cuts nn\.Sequential models into stages, got GPT"):
-        pipeline_units(_meta(GPT))
 
 
-def test_model_inputs_are_what_loss_fn_passes_to_the_model() -> None:
-    batch = {"x": torch.ones(3, 8), "y": torch.zeros(3)}
-    assert model_inputs(squared_error, batch) is batch["x"]
-    with pytest.raises(ConfigError, match="must call the model with one tensor"):
-        model_inputs(lambda model, b: model(b["x"], b["y"]), batch)
-    with pytest.raises(ConfigError, match="must call the model"):
-        model_inputs(lambda model, b: b["y"], batch)
+def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return next_token_loss(lambda tokens: model(input_ids=tokens).logits, batch)  # type: ignore[arg-type]
+
+
+SPLIT_MODELS = {  # builder, loss, where the split comes from, the blocks
+    "toy GPT": (lambda: GPT(tie_embeddings=True, blocks=3), next_token_loss, "GPT.pipeline_split()", "blocks"),
+    "Llama": (lambda: llama(), _hf_loss, "LlamaForCausalLM's base_model_pp_plan", "model.layers"),
+    "GPT-2": (lambda: gpt2(), _hf_loss, "the GPT-2 split", "transformer.h"),
+}
+
+
+@pytest.mark.parametrize("family", SPLIT_MODELS)
+def test_a_decoder_is_split_between_its_blocks_and_its_stages_chain_to_the_whole_models_losses(family: str) -> None:
+    """The split of a model that is not an nn.Sequential: embeddings with the first block, norm and head with the
+    last; each stage keeps its parameters under their names in the whole model; the stages run one after another
+    (each its own forward, fed the previous stage's output at its first block) give the whole model's losses."""
+    build, loss, source, blocks = SPLIT_MODELS[family]
+    split = split_of(_meta(build))
+    assert split is not None and split.source == source and split.blocks == blocks
+    torch.manual_seed(0)
+    whole = build().to(torch.float64).eval()
+    names = {name for name, _ in whole.named_parameters(remove_duplicate=False)}
+    stages = stage_models(lambda: copy.deepcopy(whole), 2)
+    kept = [{name for name, _ in stage.named_parameters(remove_duplicate=False)} for stage in stages]
+    assert kept[0] | kept[1] == names and all(k < names for k in kept)
+    assert not any(name.startswith(f"{blocks}.0.") for name in kept[1])  # the first block is on stage 0 only
+    assert len(stage_ties(whole, 2)) == 1  # the embedding tied to the head: one copy on each end stage
+    x = torch.randint(0, 16, (3, 8))
+    batch = {"x": x, "y": torch.roll(x, -1, dims=1)}
+    with torch.no_grad():
+        assert torch.equal(chain_stages(stages, loss, batch), loss(whole, batch))
+
+
+def test_a_model_raytrain_cannot_split_is_refused_naming_what_is_missing() -> None:
+    with pytest.raises(ConfigError, match=r"cannot split NanoGPT: .* define NanoGPT\.pipeline_split\(\)"):
+        pipeline_units(_meta(NanoGPT))
+
+    class Split(NanoGPT):
+        def __init__(self, spec: dict[str, object]) -> None:
+            super().__init__()
+            self.spec = spec
+
+        def pipeline_split(self) -> dict[str, object]:
+            return self.spec
+
+    full = {"blocks": "h", "first": ["wte", "wpe"], "last": ["ln_f", "lm_head"]}
+    with pytest.raises(ConfigError, match=r"the blocks must be modules the forward calls.* h\.0 is a ModuleDict"):
+        pipeline_units(Split(full))
+    with pytest.raises(ConfigError, match=r"names 'ln_final', which Split does not have"):
+        pipeline_units(Split({**full, "last": ["ln_final", "lm_head"]}))
+    gpt = GPT(blocks=3)
+    gpt.pipeline_split = lambda: {"blocks": "blocks", "first": ["token"], "last": ["norm", "head"]}  # type: ignore[method-assign]
+    with pytest.raises(ConfigError, match=r"parameter 'position.weight' lies in none of blocks"):
+        pipeline_units(gpt)
+    gpt.pipeline_split = lambda: {
+        "blocks": "blocks",
+        "first": ["token", "position"],
+        "last": ["norm", "head"],
+        "starts": [2],
+    }  # type: ignore[method-assign]
+    assert cut_stages(gpt, 2).bounds == [(0, 2), (2, 3)]  # a user-given cut: stage 1 starts at block 2
+    with pytest.raises(ConfigError, match=r"starts must be 1 increasing block indices in 1\.\.2 .* got \[3\]"):
+        gpt.pipeline_split = lambda: {
+            "blocks": "blocks",
+            "first": ["token", "position"],
+            "last": ["norm", "head"],
+            "starts": [3],
+        }  # type: ignore[method-assign]
+        cut_stages(gpt, 2)
+
+
+def _simulate(schedule: str, stages: int, micro: int) -> int:
+    """Every stage runs `schedule_order` one operation per tick, an operation waiting until what it needs is done
+    (a forward: the previous stage's forward of that micro-batch; a backward: the next stage's backward of it).
+    Returns the ticks to the end; fails on a deadlock (no stage can move)."""
+    orders = [schedule_order(schedule, stage, stages, micro) for stage in range(stages)]
+    done: set[tuple[int, str, int]] = set()
+    position, ticks = [0] * stages, 0
+    while any(p < len(o) for p, o in zip(position, orders, strict=True)):
+        ready = []
+        for stage, order in enumerate(orders):
+            if position[stage] == len(order):
+                continue
+            kind, j = order[position[stage]]
+            need = (stage - 1, "F", j) if kind == "F" else (stage + 1, "B", j)
+            if (kind == "F" and stage == 0) or (kind == "B" and stage == stages - 1) or need in done:
+                ready.append((stage, kind, j))
+        assert ready, f"{schedule} deadlocks at {position}"
+        for stage, kind, j in ready:
+            done.add((stage, kind, j))
+            position[stage] += 1
+        ticks += 1
+    return ticks
+
+
+@given(stages=st.integers(1, 6), micro=st.integers(1, 12))
+def test_gpipe_and_1f1b_run_every_micro_batch_once_without_deadlock_and_1f1b_holds_at_most_pp(
+    stages: int, micro: int
+) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        for stage in range(stages):
+            order = schedule_order(schedule, stage, stages, micro)
+            assert sorted(order) == sorted([("F", j) for j in range(micro)] + [("B", j) for j in range(micro)])
+            in_flight, most = set(), 0
+            for kind, j in order:
+                if kind == "F":
+                    in_flight.add(j)
+                else:
+                    assert j in in_flight, f"{schedule}: backward {j} before its forward"
+                    in_flight.remove(j)
+                most = max(most, len(in_flight))
+            assert most == (micro if schedule == "gpipe" else min(micro, stages - stage))
+    # the same bubble: both end after 2 (micro + stages - 1) ticks of one forward or backward each
+    assert _simulate("gpipe", stages, micro) == _simulate("1f1b", stages, micro) == 2 * (micro + stages - 1)
+    with pytest.raises(ValueError, match="pipeline schedule must be one of gpipe, 1f1b, got 'zb'"):
+        schedule_order("zb", 0, stages, micro)

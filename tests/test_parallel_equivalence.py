@@ -4,7 +4,8 @@ float64.
 Each world runs the real pieces on real gloo process groups (`raytrain.testing.multiprocess.run_world`): the layout
 (`ParallelDims`, its device mesh), the tensor-parallel plans checked by `resolve_plan` (the toy GPT's; the block
 MLP's), `apply_parallelism` (pipeline stage, TP, then FSDP2 or the by-hand all-reduce on the dp axis, meta init), the
-GPipe schedule over the plan's uneven micro-batches (the block MLP, an `nn.Sequential`), the user's AdamW with
+GPipe and 1F1B schedules over the plan's uneven micro-batches (the block MLP, an `nn.Sequential`; the toy GPT,
+transformers' Llama and GPT-2, cut by their splits), the user's AdamW with
 parameter groups, the
 batch plan computed for dp with the data indexed by the dp rank, and `train_step` with gradient clipping on the
 global norm (and SGD with momentum, unclipped). Three steps with a global batch of 7 (uneven over dp = 2, with
@@ -27,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from user_models import gpt2, llama
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.materialized import rank_micro_batches
@@ -70,13 +72,14 @@ class Case:
     optimizer: str = "adamw"  # "adamw": AdamW with parameter groups, clipped; "sgd": SGD with momentum, unclipped
     wrong_scale: bool = False  # negative control: normalise by W (every rank a replica) instead of dp
     pp: int = 1
+    schedule: str = "gpipe"  # the pipeline's schedule (pp > 1)
     model: str = "gpt"  # "gpt": the toy GPT on tokens; "blocks" / "mlp": the block MLP / the demo's MLP
-    # (nn.Sequential) on regression data
+    # (nn.Sequential) on regression data; "llama" / "gpt2": transformers' models on tokens
 
     @property
     def name(self) -> str:
         name = f"w{self.world}-tp{self.tp}-pp{self.pp}-{self.model}-{self.strategy}-m{self.cap}-{self.optimizer}"
-        return name + ("-wrong" if self.wrong_scale else "")
+        return name + ("-1f1b" if self.schedule == "1f1b" else "") + ("-wrong" if self.wrong_scale else "")
 
 
 CASES = {
@@ -85,6 +88,14 @@ CASES = {
         Case(2, 1, "ddp", cap=3, pp=2, model="blocks", optimizer="adamw_named"),  # pp 2, dp 1: 2 + 2 + 3
         # the embedding on stage 0 and the head tied to it on stage 1: gradients summed over the two stages
         Case(2, 1, "ddp", cap=3, pp=2, model="tied_seq", optimizer="adamw_ndim"),
+        # models that are not nn.Sequential, cut by their split: the toy GPT's pipeline_split(), transformers'
+        # Llama by its base_model_pp_plan, GPT-2 by name; each ties its embedding to its head across the stages
+        Case(2, 1, "ddp", cap=3, pp=2, model="tied_gpt", optimizer="adamw_ndim"),
+        *(
+            Case(2, 1, "ddp", cap=3, pp=2, model=model, optimizer="adamw_ndim", schedule=schedule)
+            for model in ("llama", "gpt2")
+            for schedule in ("gpipe", "1f1b")
+        ),
     ],
     4: [  # tp 2 x dp 2: 4 + 3 samples, k = 2
         Case(4, 2, "ddp", cap=2),
@@ -105,6 +116,17 @@ CASES = {
         # cap 1: k = 4 micro-batches, replica 1 has 3 samples, so one of its micro-batches is empty
         Case(4, 2, "zero3", cap=1),
         Case(4, 1, "ddp", cap=1, pp=2, model="blocks", optimizer="adamw_named"),
+        Case(4, 1, "zero3", cap=2, pp=2, model="tied_gpt", optimizer="adamw_ndim"),  # pp 2 x dp 2, FSDP2
+        Case(4, 2, "ddp", cap=3, pp=2, model="gpt", optimizer="adamw_named"),  # tp 2 x pp 2 of the toy GPT
+        *(
+            Case(4, 1, strategy, cap=cap, pp=2, model=model, optimizer="adamw_ndim", schedule=schedule)
+            for model, strategy, cap in (("llama", "ddp", 2), ("gpt2", "zero2", 2))
+            for schedule in ("gpipe", "1f1b")
+        ),
+        Case(4, 1, "zero3", cap=1, pp=2, model="tied_gpt", optimizer="adamw_ndim", schedule="1f1b"),  # k = 4
+        Case(4, 2, "ddp", cap=3, pp=2, model="gpt", optimizer="adamw_named", schedule="1f1b"),
+        # four stages, 7 micro-batches: 1F1B fills the pipeline with 3, 2, 1, 0 forwards
+        Case(4, 1, "ddp", cap=1, pp=4, model="blocks", optimizer="adamw_named", schedule="1f1b"),
     ],
 }
 
@@ -138,12 +160,20 @@ def _tied_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor
     )
 
 
+def hf_next_token_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A transformers causal LM called as its users call it (keyword input ids, `.logits`): per-sequence mean next-
+    token cross entropy."""
+    return next_token_loss(lambda tokens: model(input_ids=tokens).logits, batch)  # type: ignore[arg-type]
+
+
 BUILDERS = {
     "blocks": lambda: block_mlp(8, 16, blocks=4).to(torch.float64),
     "mlp": lambda: mlp(8, 32).to(torch.float64),
     "gpt": lambda: GPT(**SHAPE).to(torch.float64),
     "tied_gpt": lambda: GPT(**SHAPE, tie_embeddings=True).to(torch.float64),
     "tied_seq": lambda: TiedSequential().to(torch.float64),
+    "llama": lambda: llama().to(torch.float64),
+    "gpt2": lambda: gpt2().to(torch.float64),
 }
 
 
@@ -157,6 +187,8 @@ LOSSES = {
     "tied_seq": _tied_loss,
     "blocks": squared_error,
     "mlp": squared_error,
+    "llama": hf_next_token_loss,
+    "gpt2": hf_next_token_loss,
 }
 TP_PLANS = {
     "gpt": lambda model: model.tp_plan(),
@@ -255,7 +287,7 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     )
     optimizer_fn, max_norm = OPTIMIZERS[case.optimizer]
     optimizer = build_optimizer(model, optimizer_fn, LR, case.strategy)
-    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties)
+    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties, case.schedule)
     batch_plan = plan_batch(GLOBAL_BATCH, case.cap, dims.dp)
     replica = coords.dp
     columns = _columns(case.model)
@@ -359,13 +391,22 @@ def test_normalising_by_world_instead_of_dp_misses() -> None:
     assert _max_error(wrong) > 1e-4
 
 
-# ---------------------------------------------------------------- checkpoints across dp with tp or pp fixed
+# ---------------------------------------------------------------- checkpoints across dp and layouts
 
-RESHARD_LAYOUTS = {"tp2": {"tp": 2, "pp": 1, "model": "gpt"}, "pp2": {"tp": 1, "pp": 2, "model": "blocks"}}
+RESHARD_LAYOUTS: dict[str, dict[str, object]] = {  # written by 4 workers, loaded by 2 (at "load"'s tp and pp)
+    "tp2": {"tp": 2, "pp": 1, "model": "gpt"},
+    "pp2": {"tp": 1, "pp": 2, "model": "blocks"},
+    # the layout changes: tp 2 x pp 2 (dp 1) -> dp 2; dp 4 -> pp 2 (the toy GPT cut by its split)
+    "tp2pp2-to-dp2": {"tp": 2, "pp": 2, "model": "gpt", "load": (1, 1)},
+    "dp4-to-pp2": {"tp": 1, "pp": 1, "model": "gpt", "load": (1, 2)},
+}
 
 
-def _build(layout: dict[str, object], world: int, rank: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
-    dims = ParallelDims.of(world, tp=int(layout["tp"]), pp=int(layout["pp"]))  # type: ignore[call-overload]
+def _build(
+    layout: dict[str, object], world: int, rank: int, load: bool = False
+) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    tp, pp = layout["load"] if load and "load" in layout else (layout["tp"], layout["pp"])  # type: ignore[misc]
+    dims = ParallelDims.of(world, tp=tp, pp=pp)
     mesh, coords = dims.build_mesh("cpu"), dims.coords(rank)
     name = str(layout["model"])
     built = _meta_model(name)
@@ -393,19 +434,19 @@ def _reshard_main(rank: int, world: int, mode: str, out: str) -> dict[str, objec
     for key, layout in RESHARD_LAYOUTS.items():
         name = str(layout["model"])
         try:
-            model, optimizer, layout_state = _build(layout, world, rank)
+            model, optimizer, layout_state = _build(layout, world, rank, load=mode == "load")
             if mode == "save":  # two steps at dp 2, checkpoint, a third step: the continuation to reproduce
                 _train(model, optimizer, layout_state, name, 0)
                 _train(model, optimizer, layout_state, name, 1)
                 directory = save_checkpoint(
-                    model, optimizer, TrainState(step=2), rank, IdRanges(), flat_optimizer=int(layout["pp"]) > 1
+                    model, optimizer, TrainState(step=2), rank, IdRanges(), flat_optimizer=layout_state[0].pp > 1
                 )
                 _train(model, optimizer, layout_state, name, 2)
-                results[key] = {"dir": directory, "after": {n: _full(p) for n, p in model.named_parameters()}}
+                results[key] = {"dir": directory, "after": {n: _full(p) for n, p in unwrap(model).named_parameters()}}
             else:  # dp 1: load the merged checkpoint, take the third step
                 state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
                 _train(model, optimizer, layout_state, name, 2)
-                after = {n: _full(p) for n, p in model.named_parameters()}
+                after = {n: _full(p) for n, p in unwrap(model).named_parameters()}
                 results[key] = {"step": state.step, "after": after}
         except Exception:
             results[key] = {"error": traceback.format_exc()}
@@ -427,9 +468,10 @@ def resharded(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, 
 
 
 @pytest.mark.parametrize("key", list(RESHARD_LAYOUTS))
-def test_a_checkpoint_written_at_dp2_continues_at_dp1_with_tp_or_pp_fixed(resharded: Any, key: str) -> None:
-    """Written by 4 workers (dp 2 x tp 2, or dp 2 x pp 2), loaded by 2 (dp 1): the next step's parameters equal the
-    4-worker run's continuation (float64)."""
+def test_a_checkpoint_continues_at_another_dp_and_layout(resharded: Any, key: str) -> None:
+    """Written by 4 workers, loaded by 2: dp 2 x tp 2 -> tp 2, dp 2 x pp 2 -> pp 2 (tp or pp fixed), tp 2 x pp 2
+    -> dp 2 and dp 4 -> pp 2 (the layout changes; DCP reshards the tp DTensors and the stages keep the whole
+    model's names): the next step's parameters equal the 4-worker run's continuation (float64)."""
     saved, loaded = resharded
     expected: dict[str, torch.Tensor] = {}
     for result in saved:

@@ -4,6 +4,7 @@ it, and the one driver-side check of a tp x pp layout. No Ray, no process group.
 from __future__ import annotations
 
 import pytest
+from torch import nn
 
 from raytrain.config import (
     BatchConfig,
@@ -92,13 +93,15 @@ def test_resolve_counts_the_users_model_on_the_meta_device() -> None:
 def test_one_driver_check_names_the_layout_or_the_problem() -> None:
     assert check_model_parallel(block_mlp, 1, 1) == []
     # units: in 288, four blocks of 4,256 (LayerNorm 64, up 2,112, down 2,080), head 33, Flatten 0
-    lines = check_model_parallel(block_mlp, 1, 2)
+    lines = check_model_parallel(block_mlp, 1, 2, pp_schedule="1f1b")
     assert lines == [
-        "pipeline parallel: 7 units in 2 stages of 8,800, 8,545 parameters (GPipe over the accumulation micro-batches)"
+        "pipeline parallel: 7 units in 2 stages of 8,800, 8,545 parameters (balanced by parameters; 1f1b over the "
+        "accumulation micro-batches)"
     ]
     assert check_model_parallel(GPT, 2, 1)[0] == "tensor parallel: 12 linear layers split over tp = 2 workers of a node"
-    with pytest.raises(ConfigError, match=r"pipeline parallel \(pp > 1\) cuts nn.Sequential models"):
-        check_model_parallel(GPT, 1, 2)
+    assert check_model_parallel(GPT, 1, 2)[0].startswith("pipeline parallel: 2 units in 2 stages")  # its split
+    with pytest.raises(ConfigError, match=r"pipeline parallel \(pp > 1\) cannot split Transformer"):
+        check_model_parallel(lambda: nn.Transformer(16, 2, 1, 1, 32), 1, 2)
     with pytest.raises(ConfigError, match=r"tp > 1 needs a tensor-parallel plan for Sequential"):
         check_model_parallel(mlp, 2, 1)
 

@@ -188,12 +188,14 @@ def _ce_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.mark.ray
 def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: Path) -> None:
-    """zero3 at W = 2 from the saved GPT-2: the loss of step 1 (computed before its update) equals transformers'
-    own `from_pretrained` model's forward of the same 12 samples in one process."""
+    """Two pipeline stages (W = 2, pp = 2) of the saved GPT-2, through the Python API: GPT-2 is split between its
+    blocks by name, each stage reads only its own tensors of the file, and the loss of step 1 (computed before its
+    update) equals transformers' own `from_pretrained` model's forward of the same 12 samples in one process. (A
+    zero3 rank reading only its shard: `test_a_zero3_rank_reads_its_shard_not_the_model`.)"""
     import ray.cloudpickle
     import transformers
 
-    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
     from raytrain.toy import token_arrays, token_dataset
     from raytrain.trainer import ElasticTrainer
 
@@ -206,7 +208,8 @@ def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: P
         datasets={"train": token_dataset(48, vocab=64, context=8)},
         batch=BatchConfig(global_batch=12, micro_batch=4),
         lr=LRConfig(base_lr=1e-3),
-        loop=LoopConfig(max_steps=2, strategy="zero3", audit_samples=True, id_column="id"),
+        loop=LoopConfig(max_steps=2, strategy="ddp", audit_samples=True, id_column="id"),
+        parallel=ParallelConfig(pp=2),
         checkpoint=CheckpointConfig(storage_path=str(tmp_path), run_name="finetune", every_steps=2),
         cluster=ClusterConfig(min_workers=2, max_workers=2),
         required_columns=("x", "y"),
@@ -223,3 +226,5 @@ def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: P
     assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
     log = (tmp_path / "finetune" / "raytrain.log").read_text()
     assert f"{saved('gpt2')}: read " in log
+    assert "pipeline check: 2 stages chained on" in log and "give the whole model's losses" in log
+    assert "pipeline stage 0 of 2: units transformer.h.0..transformer.h.0" in log

@@ -46,7 +46,7 @@ from torch import nn
 from raytrain.errors import ConfigError
 from raytrain.model_init import InitTrace, materialize, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
-from raytrain.parallel.pipeline import Neighbours, StageTie, keep_stage
+from raytrain.parallel.pipeline import KeptBlocks, Neighbours, PipelineStats, StageTie, keep_stage
 from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
 
 UnitsFn = Callable[[nn.Module], list[nn.Module]]
@@ -66,10 +66,11 @@ class StepPolicy:
         tensor or pipeline parallelism).
     counts_loss: this rank's loss sum enters the step's loss (all-reduced over every rank): in a model-parallel
         layout only the last pipeline stage's first tp rank of each replica counts, once per replica.
-    pipeline: this rank's neighbours in its replica's pipeline (pp > 1: the step runs `gpipe_step`), else None.
+    pipeline: this rank's neighbours in its replica's pipeline (pp > 1: the step runs `pipeline_step`), else None.
     pp_group: the process group of this rank's pipeline (pp > 1): the stages' gradient norms are summed over it.
     stage_ties: for each parameter tied across pipeline stages that this stage holds: (its name here, the process
         group of the stages holding it, whether this stage counts it in the gradient norm: the first one only).
+    pipeline_stats: where a pipeline stage adds its waits and step times (`PipelineStats`; benchmarks), or None.
     """
 
     reduce_every_micro_step: bool = False
@@ -81,6 +82,7 @@ class StepPolicy:
     pipeline: Neighbours | None = None
     pp_group: Any = None
     stage_ties: tuple[tuple[str, Any, bool], ...] = ()
+    pipeline_stats: PipelineStats | None = None
 
     def norm_parameters(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameters this rank counts in the global gradient norm: all but the copies of a tie held by an
@@ -94,9 +96,9 @@ SYNC_LAST_MICRO_STEP = StepPolicy()  # the default: gradients sync once per step
 
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of every repeated block: the children of each `nn.ModuleList` / `nn.Sequential` whose
-    children are two or more callable modules of one class that own parameters. Outermost only: a block's inner lists
-    are part of the block. `nn.Identity` children are ignored (a pipeline stage's placeholders for other stages'
-    blocks)."""
+    children are two or more callable modules of one class that own parameters (one is enough in a pipeline stage's
+    list of the blocks it kept). Outermost only: a block's inner lists are part of the block. `nn.Identity` children
+    are ignored (a pipeline stage's placeholders for other stages' blocks)."""
     blocks: list[tuple[str, nn.Module]] = []
     taken: list[str] = []
     for name, module in model.named_modules():
@@ -107,7 +109,7 @@ def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         children = [(n, child) for n, child in module.named_children() if not isinstance(child, nn.Identity)]
         classes = {type(child) for _, child in children}
         if (
-            len(children) >= 2
+            len(children) >= (1 if isinstance(module, KeptBlocks) else 2)
             and len(classes) == 1
             and has_forward(children[0][1])
             and any(True for _ in children[0][1].parameters())
@@ -308,11 +310,13 @@ def step_policy(
     mesh: Any = None,
     coords: Coords | None = None,
     ties: Sequence[StageTie] = (),
+    pp_schedule: str = "gpipe",
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
     `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel; `ties`
     the parameters tied across its pipeline stages (`stage_ties` of the whole model; a collective when not empty:
-    one process group per tie and replica, made by every rank in the same order)."""
+    one process group per tie and replica, made by every rank in the same order); `pp_schedule` the pipeline's
+    schedule (`raytrain.parallel.pipeline.SCHEDULES`)."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
     policy = StepPolicy(
@@ -330,6 +334,9 @@ def step_policy(
         pipeline = Neighbours(
             previous=dims.rank_of(before) if coords.pp > 0 else None,
             next=dims.rank_of(after) if coords.pp < dims.pp - 1 else None,
+            stage=coords.pp,
+            stages=dims.pp,
+            schedule=pp_schedule,
         )
     return replace(
         policy,

@@ -106,7 +106,9 @@ def resolved_spec(model_fn: ModelFn, units_fn: UnitsFn | None = None, **sections
         raise ConfigError(f"{err} ({reason})") from None
 
 
-def check_model_parallel(model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlanFn | None = None) -> list[str]:
+def check_model_parallel(
+    model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlanFn | None = None, pp_schedule: str = "gpipe"
+) -> list[str]:
     """Driver-side check of a tp x pp layout on the meta model: the pipeline stages can be cut, and the TP plan
     exists and splits every planned layer evenly, on the whole model and on each stage as a worker applies it.
     Returns the lines to log (none for tp = pp = 1); raises `ConfigError` naming the problem."""
@@ -124,6 +126,6 @@ def check_model_parallel(model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlan
         cut = cut_stages(build(), pp)
         lines.append(
             f"pipeline parallel: {len(cut.units)} units in {pp} stages of {', '.join(f'{n:,}' for n in cut.sizes)} "
-            "parameters (GPipe over the accumulation micro-batches)"
+            f"parameters ({cut.how}; {pp_schedule} over the accumulation micro-batches)"
         )
     return lines

@@ -1,23 +1,37 @@
 """Pipeline parallel across nodes: the model cut into `pp` stages, raytrain's micro-batches flowing through them.
 
-Stages. A model built as `nn.Sequential` (nested `nn.Sequential`s of repeated blocks are expanded: a transformer
-trunk's blocks can land on different stages) is cut into `pp` contiguous runs of units with balanced parameter
-counts (`stage_bounds`, pure). Each rank keeps its stage's units and replaces every other unit by `nn.Identity`, in
-place: module names, and with them the initial weights (seeded by module name) and the checkpoint's keys, are the
-model's own, so a pipeline run starts from the weights of a single-process run and its checkpoints load at any dp.
+Stages. A model is cut between *units* (`pipeline_units`), in forward order:
+- an `nn.Sequential` (nested `nn.Sequential`s of repeated blocks are expanded): each child is a unit;
+- any other model by its *split* (`split_of`; torchtitan's per-family split hook): its list of repeated blocks,
+  the modules the forward runs before them (embeddings: first stage) and after them (final norm and head: last
+  stage). The split comes from the model's own `pipeline_split()` method, a transformers model's
+  `base_model_pp_plan` (Llama, Mistral, Qwen, ...), or a family raytrain knows by name (GPT-2). Each block is a
+  unit, the modules before and after joined to the first and last block's.
+`cut_stages` takes `pp` contiguous runs of units with balanced parameter counts (`stage_bounds`, pure), or the
+cut the split gives. Each rank keeps its stage (`keep_stage`, in place): the other units are dropped under their
+own names, so module names, and with them the initial weights (seeded by module name) and the checkpoint's keys,
+are the model's own; a pipeline run starts from the weights of a single-process run and its checkpoints load at any
+dp.
+
+Boundaries. Every stage runs the user's `loss_fn(model, batch)` on the same micro-batch with the model's own
+forward (`run_stage`): a forward hook on the stage's last block carries its output out (stages before the last),
+a pre-hook on its first block replaces that block's input by the activation received from the previous stage
+(stages after the first; the dropped embeddings stand in with that activation's shape). So the forward computes
+its masks and positions from the batch on every stage, and `loss_fn` keeps the contract of every other layout:
+call the model once, return one loss per sample.
 
 Schedule. GPipe over raytrain's own accumulation micro-batches (the batch plan's exact, possibly uneven sizes:
 torch's `PipelineStage` infers one activation shape for every micro-batch, so raytrain runs the schedule itself,
 with point-to-point sends that carry their shape). All forwards, first stage to last, then all backwards, last to
-first. The first stage feeds the model the tensors `loss_fn` passes to it (`model_inputs`); the last stage calls
-`loss_fn(model, batch)` with a stand-in model that returns the pipeline's output, so the loss contract is the one of
-every other layout: `loss_fn` must call the model once, on tensors from the batch. Every rank of a replica reads
-the same micro-batches.
+first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,23 +47,164 @@ HEADER = 10  # ndim, dtype code, up to 8 sizes
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool]
 
 
-def pipeline_units(model: nn.Module) -> list[tuple[nn.Sequential, int, str]]:
-    """The units a pipeline is cut between, in forward order: (the `nn.Sequential` holding it, its index there, its
-    module name). A child that is itself an `nn.Sequential` is expanded. Raises `ConfigError` for a model that is
-    not an `nn.Sequential`."""
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"pipeline parallel (pp > 1) cuts nn.Sequential models into stages, got {type(model).__name__}: build "
-            "the model as nn.Sequential(embedding, *blocks, head) (nested Sequentials of blocks are expanded)"
+@dataclass(frozen=True)
+class Unit:
+    """A piece the pipeline is cut between: the modules it holds (`paths` in the model, in forward order) and its
+    `anchor`, the module at a stage boundary: a stage starting with this unit feeds the anchor the previous stage's
+    output instead of its own input, a stage ending with it sends the anchor's output on."""
+
+    paths: tuple[str, ...]
+    anchor: str
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How a model that is not an `nn.Sequential` is cut: `blocks` names its list of repeated blocks (an
+    `nn.ModuleList` or `nn.Sequential` of modules each called once per forward, in order), `first` the modules the
+    forward runs before the blocks (kept on the first stage: embeddings), `last` those after them (kept on the last
+    stage: the final norm and head). Modules without parameters (dropout, a rotary embedding) stay on every stage.
+    `starts`: a user-given cut, the index of the block each stage after the first starts with (empty: balanced by
+    parameters). `source` names where the split came from, for the log and errors."""
+
+    blocks: str
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+    starts: tuple[int, ...] = ()
+    source: str = ""
+
+
+# Model families whose split raytrain knows by name (Hugging Face models that declare `base_model_pp_plan` are
+# split from that plan, `hf_split`): (family, blocks, first, last).
+KNOWN_SPLITS = (("GPT-2", "transformer.h", ("transformer.wte", "transformer.wpe"), ("transformer.ln_f", "lm_head")),)
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def hf_split(model: nn.Module) -> PipelineSplit | None:
+    """The split of a transformers model from its config's `base_model_pp_plan` (the base model's modules in
+    forward order: those before the module list of layers go first, those after it last) and the head model's
+    `_pp_plan` (e.g. `lm_head`, last); None when the model declares no such plan."""
+    config = getattr(model, "config", None)
+    plan = getattr(config, "base_model_pp_plan", None)
+    base = getattr(model, "base_model", None)
+    if not plan or not isinstance(base, nn.Module):
+        return None
+    prefix = "" if base is model else f"{model.base_model_prefix}."
+    names = [name for name in plan if _has(base, name)]
+    lists = [name for name in names if isinstance(base.get_submodule(name), nn.ModuleList | nn.Sequential)]
+    if len(lists) != 1:
+        return None
+    at = names.index(lists[0])
+    head = [  # the head model's own entries (transformers lists the base model's there too, under the prefix)
+        name
+        for name in (getattr(model, "_pp_plan", None) or {})
+        if base is not model and not name.startswith(prefix) and _has(model, name)
+    ]
+    return PipelineSplit(
+        blocks=prefix + lists[0],
+        first=tuple(prefix + name for name in names[:at]),
+        last=tuple(prefix + name for name in names[at + 1 :]) + tuple(head),
+        source=f"{type(model).__name__}'s base_model_pp_plan",
+    )
+
+
+def split_of(model: nn.Module) -> PipelineSplit | None:
+    """How a model that is not an `nn.Sequential` is cut into stages, or None when raytrain does not know: the
+    model's own `pipeline_split()` method (returning {"blocks": path, "first": [paths], "last": [paths]} and
+    optionally "starts": [block index per stage after the first]), a transformers model's `base_model_pp_plan`,
+    or a known family by its module names (`KNOWN_SPLITS`)."""
+    hook = getattr(model, "pipeline_split", None)
+    if callable(hook):
+        spec = hook()
+        where = f"{type(model).__name__}.pipeline_split()"
+        if not isinstance(spec, dict) or not isinstance(spec.get("blocks"), str):
+            raise ConfigError(f"{where} must return a dict with 'blocks' (a module path), got {spec!r}")
+        unknown = set(spec) - {"blocks", "first", "last", "starts"}
+        if unknown:
+            raise ConfigError(f"{where} returned unknown keys {sorted(unknown)}: valid are blocks, first, last, starts")
+        return PipelineSplit(
+            spec["blocks"],
+            tuple(spec.get("first", ())),
+            tuple(spec.get("last", ())),
+            tuple(spec.get("starts", ())),
+            where,
         )
-    units: list[tuple[nn.Sequential, int, str]] = []
+    split = hf_split(model)
+    if split is not None:
+        return split
+    for family, blocks, first, last in KNOWN_SPLITS:
+        if all(_has(model, path) for path in (blocks, *first, *last)):
+            return PipelineSplit(blocks, first, last, source=f"the {family} split")
+    return None
+
+
+def _split_units(model: nn.Module, split: PipelineSplit) -> list[Unit]:
+    """The units of a split model: one per block, the `first` modules joined to the first block's unit and the
+    `last` ones to the last block's (a stage boundary always lies between two blocks). Raises `ConfigError` naming
+    a missing module, blocks that are not called, or a parameter the split leaves on no stage."""
+    where = split.source or "the pipeline split"
+    for path in (split.blocks, *split.first, *split.last):
+        if not _has(model, path):
+            raise ConfigError(f"{where} names {path!r}, which {type(model).__name__} does not have")
+    container = model.get_submodule(split.blocks)
+    if not isinstance(container, nn.ModuleList | nn.Sequential) or len(container) < 2:
+        raise ConfigError(
+            f"{where}: blocks {split.blocks!r} must be an nn.ModuleList or nn.Sequential of at least 2 blocks, got "
+            f"{type(container).__name__} of {len(list(container.children()))}"
+        )
+    from raytrain.parallel.apply import has_forward
+
+    names = [f"{split.blocks}.{name}" for name, _ in container.named_children()]
+    uncalled = [
+        (name, child) for name, child in zip(names, container.children(), strict=True) if not has_forward(child)
+    ]
+    if uncalled:
+        name, child = uncalled[0]
+        raise ConfigError(
+            f"{where}: the blocks must be modules the forward calls (a stage's boundary is a block's input and "
+            f"output), {name} is a {type(child).__name__}, whose entries the forward uses one by one"
+        )
+    units = [Unit((name,), name) for name in names]
+    units[0] = Unit((*split.first, names[0]), names[0])
+    units[-1] = Unit((*units[-1].paths, *split.last), names[-1])
+    covered = [path for unit in units for path in unit.paths]
+    for name, _ in model.named_parameters():
+        if not any(name.startswith(path + ".") for path in covered):
+            raise ConfigError(
+                f"{where}: parameter {name!r} lies in none of blocks {split.blocks!r}, first {list(split.first)} or "
+                f"last {list(split.last)}: add its module to first (used before the blocks) or last (after them)"
+            )
+    return units
+
+
+def pipeline_units(model: nn.Module) -> list[Unit]:
+    """The units a pipeline is cut between, in forward order. An `nn.Sequential` model: each child, a child that is
+    itself an `nn.Sequential` expanded. Any other model: its blocks with the modules before and after them
+    (`split_of`). Raises `ConfigError` naming what is missing for a model raytrain cannot split."""
+    if not isinstance(model, nn.Sequential):
+        split = split_of(model)
+        if split is None:
+            raise ConfigError(
+                f"pipeline parallel (pp > 1) cannot split {type(model).__name__}: it is not an nn.Sequential, has no "
+                "pipeline_split() method and is not a known family (a transformers model with base_model_pp_plan, "
+                f"{', '.join(f[0] for f in KNOWN_SPLITS)}): define {type(model).__name__}.pipeline_split() returning "
+                "{'blocks': 'path.of.the.block.list', 'first': [modules before the blocks], 'last': [modules after]}"
+            )
+        return _split_units(model, split)
+    units: list[Unit] = []
 
     def visit(container: nn.Sequential, prefix: str) -> None:
-        for index, (name, child) in enumerate(container.named_children()):
+        for name, child in container.named_children():
             if isinstance(child, nn.Sequential):
                 visit(child, f"{prefix}{name}.")
             else:
-                units.append((container, index, f"{prefix}{name}"))
+                units.append(Unit((f"{prefix}{name}",), f"{prefix}{name}"))
 
     visit(model, "")
     return units
@@ -77,25 +232,59 @@ def stage_bounds(param_counts: list[int], stages: int) -> list[tuple[int, int]]:
     return [(start, end) for start, end in zip(starts, [*starts[1:], len(param_counts)], strict=True)]
 
 
+def given_bounds(starts: tuple[int, ...], units: int, stages: int, where: str) -> list[tuple[int, int]]:
+    """Pure: the stages of a user-given cut (`PipelineSplit.starts`: the unit each stage after the first starts
+    with), checked: `stages` - 1 increasing starts in 1 .. `units` - 1 (`ConfigError` naming the value otherwise)."""
+    ok = len(starts) == stages - 1 and all(isinstance(s, int) and 0 < s < units for s in starts)
+    if not ok or any(a >= b for a, b in itertools.pairwise(starts)):
+        raise ConfigError(
+            f"{where}: starts must be {stages - 1} increasing block indices in 1..{units - 1} (where stages 1..."
+            f"{stages - 1} begin), got {list(starts)}"
+        )
+    bounds = [0, *starts, units]
+    return list(itertools.pairwise(bounds))
+
+
+def _unit_parameters(model: nn.Module, unit: Unit) -> int:
+    seen: dict[int, int] = {}
+    for path in unit.paths:
+        for p in model.get_submodule(path).parameters():
+            seen[id(p)] = p.numel()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True)
 class StageCut:
-    """How `stage_bounds` cuts a model: its pipeline units (`pipeline_units`), each unit's parameter count, and each
-    stage's [start, end) over the units."""
+    """How a model is cut: its pipeline units (`pipeline_units`), each unit's parameter count, each stage's
+    [start, end) over the units, and how the cut was chosen (for the log)."""
 
-    units: list[tuple[nn.Sequential, int, str]]
+    units: list[Unit]
     counts: list[int]
     bounds: list[tuple[int, int]]
+    how: str = "balanced by parameters"
 
     @property
     def sizes(self) -> list[int]:
         """Parameters per stage."""
         return [sum(self.counts[a:b]) for a, b in self.bounds]
 
+    def stage_of(self, name: str) -> int | None:
+        """The stage holding parameter or module `name` (None: on every stage, a module without parameters)."""
+        for stage, (start, end) in enumerate(self.bounds):
+            for unit in self.units[start:end]:
+                if any(name == path or name.startswith(path + ".") for path in unit.paths):
+                    return stage
+        return None
+
 
 def cut_stages(model: nn.Module, stages: int) -> StageCut:
-    """The cut of `model` into `stages` pipeline stages that every rank applies (`keep_stage`)."""
+    """The cut of `model` into `stages` pipeline stages that every rank applies (`keep_stage`): a user-given cut
+    (`PipelineSplit.starts`) or stages of balanced parameter counts."""
     units = pipeline_units(model)
-    counts = [sum(p.numel() for p in container[index].parameters()) for container, index, _ in units]
+    counts = [_unit_parameters(model, unit) for unit in units]
+    split = None if isinstance(model, nn.Sequential) else split_of(model)
+    if split is not None and split.starts:
+        return StageCut(units, counts, given_bounds(split.starts, len(units), stages, split.source), "given")
     return StageCut(units, counts, stage_bounds(counts, stages))
 
 
@@ -115,19 +304,12 @@ def stage_ties(model: nn.Module, stages: int) -> list[StageTie]:
     from raytrain.model_init import tie_groups
 
     cut = cut_stages(model, stages)
-
-    def stage_of(name: str) -> int | None:
-        for stage, (start, end) in enumerate(cut.bounds):
-            if any(name.startswith(unit + ".") for _, _, unit in cut.units[start:end]):
-                return stage
-        return None  # a parameter of the root itself: on every stage
-
     ties = []
     for group in tie_groups(model):
         names: dict[int, str] = {}
         for name in group:
-            stage = stage_of(name)
-            if stage is None:
+            stage = cut.stage_of(name)
+            if stage is None:  # a parameter of the root itself: on every stage
                 break
             names.setdefault(stage, name)
         else:
@@ -136,19 +318,115 @@ def stage_ties(model: nn.Module, stages: int) -> list[StageTie]:
     return ties
 
 
+class StageEnds:
+    """Where a stage model's part of the forward begins and ends (module paths; None at the pipeline's ends) and
+    the activation received for the micro-batch in flight (set by `run_stage`)."""
+
+    def __init__(self, stage: int, entry: str | None, exit: str | None) -> None:
+        self.stage, self.entry, self.exit = stage, entry, exit
+        self.received: torch.Tensor | None = None
+
+
+_ENDS: weakref.WeakKeyDictionary[nn.Module, StageEnds] = weakref.WeakKeyDictionary()
+
+
+class _FromPreviousStage(nn.Module):
+    """Stands in for a module that runs before the blocks (an embedding) on a later stage: returns the activation
+    received from the previous stage (detached; the stage's first block is fed the received tensor itself), so the
+    forward's shapes and dtypes hold up to the boundary."""
+
+    def __init__(self, ends: StageEnds, path: str) -> None:
+        super().__init__()
+        self.ends, self.path = ends, path
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.ends.received is None:
+            raise RuntimeError(
+                f"{self.path} is on pipeline stage 0, not this one ({self.ends.stage}): run the stage model through "
+                "raytrain's pipeline step"
+            )
+        return self.ends.received.detach()
+
+
+class _OnLaterStage(nn.Module):
+    """Stands in for a module that runs after the blocks (final norm, head) on an earlier stage: the forward stops
+    at the stage's last block, so it is never called."""
+
+    def __init__(self, path: str, stage: int) -> None:
+        super().__init__()
+        self.path, self.stage = path, stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.path} is on the last pipeline stage, not this one ({self.stage})")
+
+
 def keep_stage(model: nn.Module, stage: int, stages: int) -> str:
-    """Replace every pipeline unit outside stage `stage` of `stages` by `nn.Identity` (in place, on the meta or
-    real model); returns one line for the log naming the stage's units."""
+    """Keep only stage `stage` of `stages` of `model` (in place, on the meta or real model): the other stages'
+    units are dropped under their own names (a block of an `nn.Sequential` becomes `nn.Identity`, one of an
+    `nn.ModuleList` is removed from it, an embedding or head is replaced by a stand-in without parameters), so the
+    parameters left keep the names they have in the whole model. Records where the stage's forward begins and ends
+    (`stage_ends`). Returns one line for the log naming the stage's units."""
     cut = cut_stages(model, stages)
     start, end = cut.bounds[stage]
-    for position, (container, index, _) in enumerate(cut.units):
-        if not start <= position < end:
-            container[index] = nn.Identity()
-    names = [name for _, _, name in cut.units[start:end]]
+    ends = StageEnds(
+        stage,
+        cut.units[start].anchor if stage > 0 else None,
+        cut.units[end - 1].anchor if stage < stages - 1 else None,
+    )
+    for position, unit in enumerate(cut.units):
+        if start <= position < end:
+            continue
+        for path in unit.paths:
+            parent_path, _, attr = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            if isinstance(parent, nn.Sequential):
+                parent._modules[attr] = nn.Identity()
+            elif isinstance(parent, nn.ModuleList):
+                del parent._modules[attr]
+                _count_kept_blocks(parent)
+            elif path == unit.anchor:
+                raise ConfigError(f"pipeline block {path} must sit in an nn.ModuleList or nn.Sequential")
+            elif position < start:
+                setattr(parent, attr, _FromPreviousStage(ends, path))
+            else:
+                setattr(parent, attr, _OnLaterStage(path, stage))
+    _ENDS[model] = ends
+    names = [unit.anchor for unit in cut.units[start:end]]
     return (
         f"pipeline stage {stage} of {stages}: units {names[0]}..{names[-1]} ({cut.sizes[stage]:,} parameters;"
-        f" stages {', '.join(f'{n:,}' for n in cut.sizes)})"
+        f" stages {', '.join(f'{n:,}' for n in cut.sizes)}, {cut.how})"
     )
+
+
+class KeptBlocks:
+    """Mixed into a stage's `nn.ModuleList` of blocks, which holds only the stage's blocks under their names in
+    the whole model ("2", "3"): an integer index counts the kept blocks (a forward reading `self.layers[0]`, as
+    `nn.TransformerEncoder` does for its settings, gets the stage's first block); slices and iteration already
+    run over the kept ones."""
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, int):
+            return list(self._modules.values())[index]  # type: ignore[attr-defined]
+        return super().__getitem__(index)  # type: ignore[misc]
+
+
+_KEPT_CLASSES: dict[type, type] = {}
+
+
+def _count_kept_blocks(blocks: nn.ModuleList) -> None:
+    cls = type(blocks)
+    if not issubclass(cls, KeptBlocks):
+        if cls not in _KEPT_CLASSES:
+            _KEPT_CLASSES[cls] = type(f"Stage{cls.__name__}", (KeptBlocks, cls), {})
+        blocks.__class__ = _KEPT_CLASSES[cls]
+
+
+def stage_ends(model: nn.Module) -> StageEnds:
+    """Where `model`'s stage begins and ends (recorded by `keep_stage`); `ValueError` for a model it did not cut."""
+    ends = _ENDS.get(model)
+    if ends is None:
+        raise ValueError(f"{type(model).__name__} is not a pipeline stage (keep_stage was not applied to it)")
+    return ends
 
 
 def stage_models(build: Callable[[], nn.Module], stages: int) -> list[nn.Module]:
@@ -176,52 +454,163 @@ def widen(losses: torch.Tensor) -> torch.Tensor:
     return losses.float() if losses.dtype in (torch.float16, torch.bfloat16) else losses
 
 
-class _Captured(Exception):
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("model inputs captured")
-        self.args, self.kwargs = args, kwargs
-
-
-class _Recorder(nn.Module):
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
-
-
-class _Output(nn.Module):
-    """Stands in for the model on the last stage: returns the pipeline's output for the micro-batch."""
+class _StageOutput(BaseException):
+    """Carries a stage's output out of the forward at its last block (a BaseException: a `loss_fn` catching
+    `Exception` does not swallow it)."""
 
     def __init__(self, output: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__("pipeline stage output")
         self.output = output
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.output
+
+def _first_tensor(value: Any) -> torch.Tensor:
+    """A block's output: the tensor itself, or the first element of a tuple (older transformers layers)."""
+    return value[0] if isinstance(value, tuple | list) else value
 
 
-def model_inputs(loss_fn: LossFn, batch: Batch) -> torch.Tensor:
-    """The tensor `loss_fn` passes to the model for `batch` (its call is interrupted there). Raises `ConfigError`
-    unless it calls the model with exactly one tensor."""
+def run_stage(
+    model: nn.Module, loss_fn: LossFn, batch: Batch, received: torch.Tensor | None, last: bool
+) -> torch.Tensor:
+    """One micro-batch through this rank's stage: `loss_fn(model, batch)` as in any other layout, with the stage's
+    first block fed `received` (the previous stage's output; None on the first stage) and, unless `last`, the
+    forward stopped after the stage's last block. Returns the per-sample losses on the last stage, else the
+    activation to send on. Every stage reads the same micro-batch, so the model's own forward computes its masks
+    and positions on each stage."""
+    ends = stage_ends(model)
+    handles = []
+    if received is not None:
+        if ends.entry is None:
+            raise ValueError("the first pipeline stage receives no activation")
+
+        def feed(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            if args:
+                return (received, *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": received}
+            raise ValueError(f"pipeline block {ends.entry} was called without a positional input or hidden_states")
+
+        entry = model.get_submodule(ends.entry)
+        handles.append(entry.register_forward_pre_hook(_eager(feed), prepend=True, with_kwargs=True))
+    # the modules whose forward the stop interrupts: the exit block's ancestors, innermost first (the root last)
+    interrupted: list[str] = []
+    if not last and ends.exit is not None:
+        parts = ends.exit.split(".")
+        interrupted = [".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)] + [""]
+    called: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    if not last:
+        if ends.exit is None:
+            raise ValueError("the last pipeline stage sends no activation")
+
+        def stop(_module: nn.Module, _args: Any, output: Any) -> None:
+            raise _StageOutput(_first_tensor(output))
+
+        handles.append(model.get_submodule(ends.exit).register_forward_hook(_eager(stop)))
+        for path in interrupted:
+
+            def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path) -> None:
+                called[path] = (args, kwargs)
+
+            handles.append(model.get_submodule(path).register_forward_pre_hook(_eager(record), with_kwargs=True))
+    ends.received = received
     try:
-        loss_fn(_Recorder(), batch)
-    except _Captured as captured:
-        if len(captured.args) == 1 and not captured.kwargs and isinstance(captured.args[0], torch.Tensor):
-            return captured.args[0]
-        raise ConfigError(
-            "with pp > 1, loss_fn must call the model with one tensor (the first stage's input), got "
-            f"{len(captured.args)} positional and {len(captured.kwargs)} keyword argument(s)"
-        ) from None
-    raise ConfigError("with pp > 1, loss_fn must call the model (the pipeline feeds it the tensor it passes)")
+        losses = loss_fn(model, batch)
+    except _StageOutput as stopped:
+        output = stopped.output
+        for path in interrupted:
+            if path in called:
+                output = _finish_forward(model.get_submodule(path), *called[path], output)
+        return output
+    finally:
+        ends.received = None
+        for handle in handles:
+            handle.remove()
+    if not last:
+        raise ValueError(
+            f"loss_fn returned without the forward reaching {ends.exit}, the last block of pipeline stage "
+            f"{ends.stage}: loss_fn must call the model once"
+        )
+    return losses
+
+
+def _finish_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> Any:
+    """The stage's forward was stopped at its last block inside `model`'s forward: run `model`'s forward hooks that
+    the stop skipped (those not `always_call`), with the stage's output, as a completed forward would. An FSDP2
+    unit's post-forward is one: it reshards the unit's parameters and hooks the output so that its backward gathers
+    them again (else a later micro-batch's backward would find them freed)."""
+    for key, hook in list(model._forward_hooks.items()):
+        if key in model._forward_hooks_always_called:
+            continue  # they ran on the way out
+        if model._forward_hooks_with_kwargs.get(key, False):
+            result = hook(model, args, kwargs, output)
+        else:
+            result = hook(model, args, output)
+        if result is not None:
+            output = result
+    return output
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook that runs eagerly inside a compiled block (it swaps tensors and stops the forward)."""
+    return torch.compiler.disable(hook)
+
+
+def chain_stages(models: list[nn.Module], loss_fn: LossFn, batch: Batch) -> torch.Tensor:
+    """Pure torch, one process: `batch` through the stage models (`stage_models`) one after another, as the
+    pipeline runs them; the per-sample losses of the last stage (the driver's check that a split computes the
+    whole model's losses)."""
+    received: torch.Tensor | None = None
+    for stage, model in enumerate(models):
+        received = run_stage(model, loss_fn, batch, received, stage == len(models) - 1)
+    assert received is not None
+    return received
 
 
 @dataclass(frozen=True)
 class Neighbours:
-    """A stage's place in its replica's pipeline: the global ranks before and after it (None at the ends)."""
+    """A stage's place in its replica's pipeline: the global ranks before and after it (None at the ends), its
+    index among the `stages`, and the schedule the pipeline runs (`SCHEDULES`)."""
 
     previous: int | None
     next: int | None
+    stage: int = 0
+    stages: int = 2
+    schedule: str = "gpipe"
 
 
-def _send(tensor: torch.Tensor, dst: int) -> None:
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_order(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """Pure: the order in which stage `stage` of `stages` runs the forwards ("F", j) and backwards ("B", j) of
+    `micro` micro-batches. "gpipe": every forward, then every backward (last first): all `micro` micro-batches'
+    activations are held at once. "1f1b": `stages - stage - 1` forwards fill the pipeline, then a forward and a
+    backward in turn, then the remaining backwards: at most `stages - stage` micro-batches are in flight on a stage,
+    whatever `micro` is (the same bubble as GPipe, less memory). `ValueError` for another schedule."""
+    if schedule == "gpipe":
+        return [("F", j) for j in range(micro)] + [("B", j) for j in reversed(range(micro))]
+    if schedule != "1f1b":
+        raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    warmup = min(stages - stage - 1, micro)
+    order = [("F", j) for j in range(warmup)]
+    for i in range(micro - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", j) for j in range(micro - warmup, micro)]
+
+
+@dataclass
+class PipelineStats:
+    """What one stage measured over the steps it ran (`pipeline_step(stats=...)`): seconds blocked waiting for a
+    neighbour's activation or gradient (the stage's share of the bubble), seconds in the step, and the most
+    micro-batches whose activations it held at once."""
+
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    most_in_flight: int = 0
+
+
+def _send(tensor: torch.Tensor, dst: int) -> list[Any]:
+    """Start sending `tensor` (header with its shape and dtype, then the data) to rank `dst`; returns the pending
+    sends with the buffers they read (wait on them before the buffers may change or go)."""
     import torch.distributed as dist
 
     if tensor.dim() > HEADER - 2 or tensor.dtype not in DTYPES:
@@ -232,23 +621,25 @@ def _send(tensor: torch.Tensor, dst: int) -> None:
     header = torch.zeros(HEADER, dtype=torch.int64)
     header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
     header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    device = tensor.device
-    dist.send(header.to(device), dst)
-    dist.send(tensor.contiguous(), dst)
+    header, data = header.to(tensor.device), tensor.contiguous()
+    return [(dist.isend(header, dst), header), (dist.isend(data, dst), data)]
 
 
-def _recv(src: int, device: torch.device) -> torch.Tensor:
+def _recv(src: int, device: torch.device, stats: PipelineStats | None = None) -> torch.Tensor:
     import torch.distributed as dist
 
+    started = time.perf_counter()
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     dist.recv(header, src)
     ndim, code = int(header[0]), int(header[1])
     tensor = torch.empty(tuple(int(s) for s in header[2 : 2 + ndim]), dtype=DTYPES[code], device=device)
     dist.recv(tensor, src)
+    if stats is not None:
+        stats.wait_s += time.perf_counter() - started
     return tensor
 
 
-def gpipe_step(
+def pipeline_step(
     stage: nn.Module,
     micro_batches: list[Batch],
     loss_fn: LossFn,
@@ -259,54 +650,69 @@ def gpipe_step(
     backward: bool = True,
     autocast_dtype: torch.dtype | None = None,
     seeds: Callable[[int], None] | None = None,
+    stats: PipelineStats | None = None,
 ) -> float:
-    """Run this stage's part of one optimizer step's micro-batches through the pipeline (collective over the
-    replica's stages: each must call it with the same micro-batch count). The last stage computes
-    `loss_fn(model, batch)`, sums it and backpropagates sum x `scale`; every stage accumulates its gradients. Returns
-    the summed per-sample loss on the last stage, 0.0 elsewhere. `sync(last)` is entered around each backward
-    (`last`: the step's final backward, where gradients synchronise). `backward=False`: forward only (evaluation).
-    `autocast_dtype`: forwards (and the loss) under `torch.autocast` in that dtype (bf16 without FSDP).
-    `seeds(j)`: called before micro-batch j's forward (`raytrain.rng.MicroBatchSeeds`)."""
+    """Run this stage's part of one optimizer step's micro-batches through the pipeline in the order of its
+    schedule (`neighbours.schedule`, `schedule_order`; collective over the replica's stages: each must call it with
+    the same micro-batch count). The last stage computes `loss_fn(model, batch)`, sums it and backpropagates
+    sum x `scale`; every stage accumulates its gradients. Returns the summed per-sample loss on the last stage,
+    0.0 elsewhere.
+    `sync(last)` is entered around each backward (`last`: the step's final backward, where gradients
+    synchronise). `backward=False`: forwards only (evaluation). `autocast_dtype`: forwards (and the loss) under
+    `torch.autocast` in that dtype (bf16 without FSDP). `seeds(j)`: called before micro-batch j's forward
+    (`raytrain.rng.MicroBatchSeeds`). `stats`: adds this step's waits and time (`PipelineStats`). Sends do not
+    block (only receives wait), so a stage never waits on a neighbour that waits on it."""
+    started = time.perf_counter()
     first, last = neighbours.previous is None, neighbours.next is None
-    stored: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-    local_sum = 0.0
-    for j, batch in enumerate(micro_batches):
-        if seeds is not None:
-            seeds(j)
-        if first:
-            inputs = model_inputs(loss_fn, batch)
-        else:
-            assert neighbours.previous is not None
-            inputs = _recv(neighbours.previous, device)
-            if backward and inputs.is_floating_point():
-                inputs.requires_grad_(True)
-        autocast = (
-            torch.autocast(device_type=device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
-        with autocast:
-            output = stage(inputs)
-            losses = loss_fn(_Output(output), batch) if last else output
-        if last:
-            check_losses(losses, batch)
-            local_sum += float(losses.detach().float().sum())
-            stored.append((None if first else inputs, widen(losses).sum() * scale))
-        else:
-            assert neighbours.next is not None
-            _send(output.detach(), neighbours.next)
-            stored.append((None if first else inputs, output))
+    order = schedule_order(neighbours.schedule, neighbours.stage, neighbours.stages, len(micro_batches))
     if not backward:
-        return local_sum
-    for j in reversed(range(len(stored))):
-        received, result = stored[j]
-        with sync(j == 0) if sync is not None else contextlib.nullcontext():
+        order = [("F", j) for j in range(len(micro_batches))]
+    final = next((j for kind, j in reversed(order) if kind == "B"), None)
+    stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    sends: list[Any] = []
+    local_sum = 0.0
+    for kind, j in order:
+        if kind == "F":
+            batch = micro_batches[j]
+            if seeds is not None:
+                seeds(j)
+            inputs = None
+            if not first:
+                assert neighbours.previous is not None
+                inputs = _recv(neighbours.previous, device, stats)
+                if backward and inputs.is_floating_point():
+                    inputs.requires_grad_(True)
+            autocast = (
+                torch.autocast(device_type=device.type, dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with autocast:
+                result = run_stage(stage, loss_fn, batch, inputs, last)
+            if last:
+                check_losses(result, batch)
+                local_sum += float(result.detach().float().sum())
+                result = widen(result).sum() * scale
+            else:
+                assert neighbours.next is not None
+                sends += _send(result.detach(), neighbours.next)
+            if backward:
+                stored[j] = (inputs, result)
+                if stats is not None:
+                    stats.most_in_flight = max(stats.most_in_flight, len(stored))
+            continue
+        received, result = stored.pop(j)
+        with sync(j == final) if sync is not None else contextlib.nullcontext():
             if last:
                 result.backward()
             else:
                 assert neighbours.next is not None
-                result.backward(_recv(neighbours.next, device))
+                result.backward(_recv(neighbours.next, device, stats))
         if received is not None and neighbours.previous is not None:
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            _send(grad, neighbours.previous)
+            sends += _send(grad, neighbours.previous)
+    for work, _buffer in sends:
+        work.wait()
+    if stats is not None:
+        stats.step_s += time.perf_counter() - started
     return local_sum
