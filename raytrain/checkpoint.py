@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -228,12 +229,20 @@ def save_checkpoint(
     return finish_save(pending, rank)
 
 
-def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[TrainState, IdRanges]:
+def load_checkpoint(
+    directory: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    aliases: Mapping[str, Sequence[str]] | None = None,
+) -> tuple[TrainState, IdRanges]:
     """Load model and optimizer state from `directory` into the (already wrapped) model; all ranks must call.
 
     Returns the train state and the ids consumed in the current epoch (streaming mode). Works at any world
-    size: DCP reshards. Model and optimizer are set one after the other (setting both at
-    once with a broadcast hangs at W >= 2, see ../shared/notes).
+    size and layout: DCP reshards. Model and optimizer are set one after the other (setting both at
+    once with a broadcast hangs at W >= 2, see ../shared/notes). `aliases`: {parameter name: the other names of
+    the same (tied) parameter in the whole model}: the optimizer state of a tied parameter is stored under one of
+    its names (a single process sees the first; a pipeline stage its own), so a name missing from the checkpoint
+    is read under another.
     """
     zero1 = _is_zero_optimizer(optimizer)
     zero1_file = os.path.join(directory, ZERO1_OPTIMIZER_FILE)
@@ -242,9 +251,13 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     # Checkpoints written before the optimizer state was flattened hold the groups as a list, each with its
     # "params" ("optim.param_groups.0.params"); the flattened form stores options per parameter name only.
     options = None if "optim.param_groups.0.params" in reader.read_metadata().state_dict_metadata else FLAT
+    renamed: dict[str, str] = {}
     if not os.path.exists(zero1_file):
         sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
+        stored = reader.read_metadata().state_dict_metadata
+        renamed = _read_under_aliases(sharded["optim"], set(stored), aliases or {})
     dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())
+    _back_to_own_names(sharded.get("optim"), renamed)
     set_model_state_dict(model, sharded["model"])
     if "optim" in sharded and not zero1:
         set_optimizer_state_dict(model, optimizer, sharded["optim"], options=options)
@@ -259,6 +272,45 @@ def load_checkpoint(directory: str, model: nn.Module, optimizer: torch.optim.Opt
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
     return state, load_consumed(directory)
+
+
+def _read_under_aliases(
+    optim: dict[str, Any], stored: set[str], aliases: Mapping[str, Sequence[str]]
+) -> dict[str, str]:
+    """Rename (in place) the entries of the optimizer state dict `optim` of each tied parameter the checkpoint
+    (`stored`: its keys) holds under another of its names to that name; returns {name read: own name} to undo it
+    after loading. `optim` is nested ({"state": {name: ...}, "param_groups": [...]}) or flat ("state.<name>.<field>",
+    "param_groups.<name>.<option>")."""
+    nested = isinstance(optim.get("state"), dict)
+    entries: dict[str, Any] = optim["state"] if nested else optim
+    renamed: dict[str, str] = {}
+    for own, others in aliases.items():
+        if any(key.startswith(f"optim.state.{own}.") for key in stored):
+            continue  # stored under its own name
+        other = next((o for o in others if any(key.startswith(f"optim.state.{o}.") for key in stored)), None)
+        if other is None:
+            continue  # stored under no name: DCP's load names the missing key
+        if nested:
+            moves = {own: other} if own in entries else {}
+        else:
+            moves = {
+                key: f"{kind}{other}.{key[len(kind) + len(own) + 1 :]}"
+                for key in entries
+                for kind in ("state.", "param_groups.")
+                if key.startswith(f"{kind}{own}.")
+            }
+        for key, alias in moves.items():
+            entries[alias] = entries.pop(key)
+            renamed[alias] = key
+    return renamed
+
+
+def _back_to_own_names(optim: dict[str, Any] | None, renamed: dict[str, str]) -> None:
+    """Undo `_read_under_aliases` after loading."""
+    if optim is not None and renamed:
+        entries = optim["state"] if isinstance(optim.get("state"), dict) else optim
+        for alias, key in renamed.items():
+            entries[key] = entries.pop(alias)
 
 
 def load_extras(directory: str, extras: dict[str, Any]) -> list[str]:

@@ -36,7 +36,7 @@ from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
-from raytrain.model_init import InitTrace, record_build
+from raytrain.model_init import InitTrace, record_build, tie_groups
 from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
 from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
@@ -204,10 +204,11 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
 
 
 def _restore(
-    model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log
+    model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log, aliases: dict[str, list[str]] | None = None
 ) -> tuple[TrainState, IdRanges, tuple[str, Any] | None]:
     """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, its
-    (path, filesystem)), or a fresh state and None when there is none.
+    (path, filesystem)), or a fresh state and None when there is none. `aliases`: the tied parameters' other names
+    (`raytrain.checkpoint.load_checkpoint`).
 
     First rank 0 removes what Ray never committed (directories newer than Ray's latest checkpoint). A damaged
     checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays in storage
@@ -238,7 +239,7 @@ def _restore(
                     f"{posixpath.basename(directory)}"
                 )
             with local_checkpoint(directory, fs) as local:
-                return (*load_checkpoint(local, model, optimizer), (directory, fs))
+                return (*load_checkpoint(local, model, optimizer, aliases), (directory, fs))
         damaged.append((directory, reason))
     raise DamagedCheckpointsError(
         f"no intact checkpoint in {_run_dir_of(latest)} to resume from: "
@@ -351,6 +352,8 @@ def start_run(job: WorkerJob) -> Run:
     pretrained = job.pretrained if not resuming else None  # a checkpoint replaces the weights anyway
     model, trace = build_model(job)
     ties = stage_ties(model, dims.pp) if dims.pp > 1 else []  # of the whole model, before the stage is cut
+    # a tied parameter's optimizer state is stored under one of its names: the one this layout may not hold
+    aliases = {name: [other for other in group if other != name] for group in tie_groups(model) for name in group}
     parallel = spec.parallel
     tp_plan = plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None  # checked on the driver, resolved per stage
     layout = resolve_layout(
@@ -398,7 +401,7 @@ def start_run(job: WorkerJob) -> Run:
             f"{pretrained.uri}: read {pretrained.bytes_read / 2**20:.4g} of {pretrained.nbytes / 2**20:.4g} MiB on "
             f"rank 0 in {built - began:.2f} s (each rank reads its shard)"
         )
-    state, consumed, restored_from = _restore(model, optimizer, log)
+    state, consumed, restored_from = _restore(model, optimizer, log, aliases)
     restored = restored_from is not None
     loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:

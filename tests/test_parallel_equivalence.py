@@ -399,6 +399,8 @@ RESHARD_LAYOUTS: dict[str, dict[str, object]] = {  # written by 4 workers, loade
     # the layout changes: tp 2 x pp 2 (dp 1) -> dp 2; dp 4 -> pp 2 (the toy GPT cut by its split)
     "tp2pp2-to-dp2": {"tp": 2, "pp": 2, "model": "gpt", "load": (1, 1)},
     "dp4-to-pp2": {"tp": 1, "pp": 1, "model": "gpt", "load": (1, 2)},
+    # GPT-2's tie: one process stores the optimizer state under token.weight, stage 1 reads it as head.weight
+    "tied-dp4-to-pp2": {"tp": 1, "pp": 1, "model": "tied_gpt", "load": (1, 2), "optimizer": "adamw_ndim"},
 }
 
 
@@ -410,16 +412,19 @@ def _build(
     mesh, coords = dims.build_mesh("cpu"), dims.coords(rank)
     name = str(layout["model"])
     built = _meta_model(name)
+    ties = stage_ties(built.model, dims.pp) if dims.pp > 1 else []
+    aliases = {n: [o for o in group if o != n] for group in tie_groups(built.model) for n in group}
     plan = resolve_plan(built.model, TP_PLANS[name](built.model), dims.tp) if dims.tp > 1 else None
     model = apply_parallelism(
         built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace
     )
-    optimizer = build_optimizer(model, _adamw_named_groups, LR, "ddp")
-    return model, optimizer, (dims, coords, step_policy("ddp", dims, "fp32", "unsharded", mesh, coords))
+    optimizer = build_optimizer(model, OPTIMIZERS[str(layout.get("optimizer", "adamw_named"))][0], LR, "ddp")
+    policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, ties)
+    return model, optimizer, (dims, coords, policy, aliases)
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, layout_state: Any, name: str, step: int) -> None:
-    dims, coords, policy = layout_state
+    dims, coords, policy, _ = layout_state
     micro = rank_micro_batches(
         _columns(name), _positions(step), plan_batch(GLOBAL_BATCH, 2, dims.dp), coords.dp, torch.device("cpu")
     )
@@ -442,11 +447,14 @@ def _reshard_main(rank: int, world: int, mode: str, out: str) -> dict[str, objec
                     model, optimizer, TrainState(step=2), rank, IdRanges(), flat_optimizer=layout_state[0].pp > 1
                 )
                 _train(model, optimizer, layout_state, name, 2)
-                results[key] = {"dir": directory, "after": {n: _full(p) for n, p in unwrap(model).named_parameters()}}
+                results[key] = {
+                    "dir": directory,
+                    "after": {n: _full(p) for n, p in unwrap(model).named_parameters(remove_duplicate=False)},
+                }
             else:  # dp 1: load the merged checkpoint, take the third step
-                state, _ = load_checkpoint(os.path.join(out, key), model, optimizer)
+                state, _ = load_checkpoint(os.path.join(out, key), model, optimizer, layout_state[3])
                 _train(model, optimizer, layout_state, name, 2)
-                after = {n: _full(p) for n, p in unwrap(model).named_parameters()}
+                after = {n: _full(p) for n, p in unwrap(model).named_parameters(remove_duplicate=False)}
                 results[key] = {"step": state.step, "after": after}
         except Exception:
             results[key] = {"error": traceback.format_exc()}
