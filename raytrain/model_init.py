@@ -322,6 +322,12 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
+def tie_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """{name of a tied parameter: its other names} over `model`'s ties (`tie_groups`): where a state stored under
+    one name must be found by another (a pipeline stage holds a tie under one name only)."""
+    return {name: [other for other in group if other != name] for group in tie_groups(model) for name in group}
+
+
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     module_name, _, attr = name.rpartition(".")
     return model.get_submodule(module_name), attr
@@ -368,12 +374,18 @@ def local_slice(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def materialize(
-    model: nn.Module, device: torch.device | str, trace: InitTrace, seed: int, pretrained: Any = None
+    model: nn.Module,
+    device: torch.device | str,
+    trace: InitTrace,
+    seed: int,
+    pretrained: Any = None,
+    aliases: dict[str, list[str]] | None = None,
 ) -> None:
     """Give a meta `model` (as `record_build` built it, possibly pipeline-cut, tensor-parallel and FSDP-sharded
     since) storage on `device` and its initial values: each tensor that the `pretrained` weights
     (`raytrain.pretrained.Pretrained`) hold is read from them (this rank's part only), every other one replayed
-    from the trace on the CPU, keeping this rank's slice (module docstring). Ties are kept. Raises `KeyError`
+    from the trace on the CPU, keeping this rank's slice (module docstring). Ties are kept; `aliases` names the
+    other names of each tied parameter in the whole model, under which the weights may hold it. Raises `KeyError`
     naming a tensor the trace does not know."""
     groups = tie_groups(model)
     model.to_empty(device=device)
@@ -381,8 +393,12 @@ def materialize(
     by_storage: dict[int, torch.Tensor] = {}
 
     def value(name: str, target: torch.Tensor) -> torch.Tensor:
-        if pretrained is not None and name in pretrained.entries:
-            return pretrained.read_local(name, target)
+        if pretrained is not None:
+            from raytrain.pretrained import stored_name
+
+            stored = stored_name(pretrained, name, aliases)
+            if stored is not None:
+                return pretrained.read_local(stored, target)
         if name in trace.constants:
             return local_slice(trace.constants[name], target)
         if name not in trace.tensors:

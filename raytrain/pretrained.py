@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -241,9 +241,25 @@ def check_names(pretrained: Pretrained, model: nn.Module) -> str:
     return f"weights from {pretrained.uri}: {len(pretrained.entries)} tensors, {pretrained.nbytes / 2**20:.4g} MiB"
 
 
-def load_into(model: nn.Module, pretrained: Pretrained) -> list[str]:
-    """Fill a materialized `model` (possibly sharded) with the tensors `pretrained` holds, this rank's part only;
-    returns the names left as they were (the tensors the files do not hold)."""
+def stored_name(pretrained: Pretrained, name: str, aliases: Mapping[str, Sequence[str]] | None = None) -> str | None:
+    """The name under which `pretrained` holds the model's tensor `name`: itself, else another name of the same
+    tied parameter (`aliases`: {name: its other names in the whole model}; a pipeline stage may hold a tie under
+    the name save_pretrained left out), else None."""
+    if name in pretrained.entries:
+        return name
+    return next((other for other in (aliases or {}).get(name, ()) if other in pretrained.entries), None)
+
+
+def load_into(
+    model: nn.Module, pretrained: Pretrained, aliases: Mapping[str, Sequence[str]] | None = None
+) -> list[str]:
+    """Fill a materialized `model` (possibly sharded) with the tensors `pretrained` holds, this rank's part only
+    (a tied parameter under any of its names: `stored_name`); returns the names left as they were (the tensors
+    the files do not hold)."""
     from raytrain.model_init import fill
 
-    return fill(model, lambda name, t: pretrained.read_local(name, t) if name in pretrained.entries else None)
+    def value(name: str, target: torch.Tensor) -> torch.Tensor | None:
+        stored = stored_name(pretrained, name, aliases)
+        return None if stored is None else pretrained.read_local(stored, target)
+
+    return fill(model, value)

@@ -36,7 +36,7 @@ from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
-from raytrain.model_init import InitTrace, record_build, tie_groups
+from raytrain.model_init import InitTrace, record_build, tie_aliases
 from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
 from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
@@ -353,7 +353,7 @@ def start_run(job: WorkerJob) -> Run:
     model, trace = build_model(job)
     ties = stage_ties(model, dims.pp) if dims.pp > 1 else []  # of the whole model, before the stage is cut
     # a tied parameter's optimizer state is stored under one of its names: the one this layout may not hold
-    aliases = {name: [other for other in group if other != name] for group in tie_groups(model) for name in group}
+    aliases = tie_aliases(model)
     parallel = spec.parallel
     tp_plan = plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None  # checked on the driver, resolved per stage
     layout = resolve_layout(

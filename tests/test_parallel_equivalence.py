@@ -32,7 +32,7 @@ from user_models import gpt2, llama
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.materialized import rank_micro_batches
-from raytrain.model_init import MetaBuild, record_build, tie_groups
+from raytrain.model_init import MetaBuild, record_build, tie_aliases, tie_groups
 from raytrain.optim import build_optimizer, call_optimizer_fn
 from raytrain.parallel.apply import apply_parallelism, step_policy, unwrap
 from raytrain.parallel.dims import ParallelDims
@@ -413,7 +413,7 @@ def _build(
     name = str(layout["model"])
     built = _meta_model(name)
     ties = stage_ties(built.model, dims.pp) if dims.pp > 1 else []
-    aliases = {n: [o for o in group if o != n] for group in tie_groups(built.model) for n in group}
+    aliases = tie_aliases(built.model)
     plan = resolve_plan(built.model, TP_PLANS[name](built.model), dims.tp) if dims.tp > 1 else None
     model = apply_parallelism(
         built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, tp_plan=plan, stage=coords.pp, init=built.trace

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
-from raytrain.model_init import InitTrace, materialize, tie_groups
+from raytrain.model_init import InitTrace, materialize, tie_aliases, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
 from raytrain.parallel.pipeline import KeptBlocks, Neighbours, PipelineStats, StageTie, keep_stage
 from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
@@ -252,6 +252,8 @@ def apply_parallelism(
         )
     if dims.model_parallel and mesh is None:
         raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its device mesh")
+    # a tied parameter's other names in the whole model: the weights may hold it under a name this stage lacks
+    aliases = tie_aliases(model)
     if dims.pp > 1:
         line = keep_stage(model, stage, dims.pp)
         if log is not None:
@@ -289,13 +291,13 @@ def apply_parallelism(
     if _is_meta(model):
         if init is None:
             raise ValueError("a model on the meta device needs the trace of its construction (record_build)")
-        materialize(model, device, init, seed, pretrained)
+        materialize(model, device, init, seed, pretrained, aliases)
     else:
         model.to(device)
         if pretrained is not None:
             from raytrain.pretrained import load_into
 
-            load_into(model, pretrained)
+            load_into(model, pretrained, aliases)
     if dims.dp > 1 and not dims.model_parallel and strategy in ("ddp", "zero1"):
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
