@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -252,3 +253,29 @@ def test_gpipe_and_1f1b_run_every_micro_batch_once_without_deadlock_and_1f1b_hol
     assert _simulate("gpipe", stages, micro) == _simulate("1f1b", stages, micro) == 2 * (micro + stages - 1)
     with pytest.raises(ValueError, match="pipeline schedule must be one of gpipe, 1f1b, got 'zb'"):
         schedule_order("zb", 0, stages, micro)
+
+
+def test_the_driver_chains_the_stages_and_refuses_a_split_that_computes_other_losses() -> None:
+    """`check_pipeline` runs real rows through the stages one after another and compares with the whole model: a
+    split that puts the final norm before the blocks cuts without complaint but computes another function."""
+    from raytrain.preflight import check_pipeline
+
+    sample = {"x": np.arange(24, dtype=np.int64).reshape(3, 8) % 16, "y": np.ones((3, 8), dtype=np.int64)}
+
+    def build(first: list[str], last: list[str]) -> nn.Module:
+        torch.manual_seed(0)
+        gpt = GPT(blocks=2)
+        gpt.pipeline_split = lambda: {"blocks": "blocks", "first": first, "last": last}  # type: ignore[method-assign]
+        return gpt
+
+    def right() -> nn.Module:
+        return build(["token", "position"], ["norm", "head"])
+
+    line = check_pipeline(right, next_token_loss, sample, 2, right)
+    assert line.startswith("pipeline check: 2 stages chained on 3 samples give the whole model's losses")
+
+    def wrong() -> nn.Module:
+        return build(["token", "position", "norm"], ["head"])
+
+    with pytest.raises(ConfigError, match=r"compute other losses than the whole model \(max difference"):
+        check_pipeline(wrong, next_token_loss, sample, 2, wrong)

@@ -226,5 +226,4 @@ def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: P
     assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
     log = (tmp_path / "finetune" / "raytrain.log").read_text()
     assert f"{saved('gpt2')}: read " in log
-    assert "pipeline check: 2 stages chained on" in log and "give the whole model's losses" in log
     assert "pipeline stage 0 of 2: units transformer.h.0..transformer.h.0" in log
