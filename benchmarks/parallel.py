@@ -21,9 +21,9 @@ Printed last, as one JSON line (ratios against dp 4 in the same run):
                              sums in another order); max_loss_rel_diff gives the largest difference
 
 Pipeline schedules: the same model cut into 4 stages (pp 4, dp 1), 8 micro-batches a step, under GPipe and 1F1B.
-Per stage: the activation peak (LiveBytes' peak during the steps minus the bytes live before them: what the
-schedule holds in flight) and the bubble (seconds the stage was blocked waiting for a neighbour / its step time,
-`raytrain.parallel.pipeline.PipelineStats`):
+Per stage: the activation peak (LiveBytes' peak during a step's forwards and backwards, less the bytes still live
+after them, i.e. the gradients: what the schedule holds in flight) and the bubble (seconds the stage was blocked
+waiting for a neighbour / its step time, `raytrain.parallel.pipeline.PipelineStats`):
 
     activation_peak_ratio_1f1b   1F1B's largest stage activation peak / GPipe's (1F1B holds at most pp = 4 of the 8
                                  micro-batches on stage 0, GPipe all 8: expect about 4/8)
@@ -136,9 +136,9 @@ SCHEDULE_ROWS = {64: 64, 512: 256}  # rows per micro-batch by model width (--qui
 
 
 def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) -> dict[str, Any]:
-    """pp = WORLD stages, dp 1, `SCHEDULE_MICRO_BATCHES` micro-batches a step under `schedule`: this stage's peak
-    bytes during the forwards and backwards (the tensors they make: activations in flight and the stage's
-    gradients), its waits and step times, and the losses."""
+    """pp = WORLD stages, dp 1, `SCHEDULE_MICRO_BATCHES` micro-batches a step under `schedule`: this stage's
+    activation peak (the most bytes the forwards and backwards held at once, less the gradients they leave), its
+    waits and step times, and the losses."""
     dims = ParallelDims.of(WORLD, pp=WORLD)
     coords = dims.coords(rank)
     mesh = dims.build_mesh("cpu")
@@ -166,7 +166,8 @@ def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) 
             walk = Step(model, optimizer, micro, 1, batch, None, policy)
             walk.pipeline(squared_error)
             tracker.mark("walked")
-        peaks.append(tracker.marks["walked"][1])
+        after, peak = tracker.marks["walked"]  # after the walk only the gradients it made are left
+        peaks.append(peak - after)
         losses.append(walk.optimizer_step().loss_sum / batch)
     return {
         "activation_peak": max(peaks),
@@ -248,8 +249,8 @@ def main() -> None:
     schedules = {s: [r[f"schedule-{s}"] for r in per_rank] for s in ("gpipe", "1f1b")}
     print(
         f"pipeline schedules: pp {WORLD}, dp 1, {SCHEDULE_MICRO_BATCHES} micro-batches of {SCHEDULE_ROWS[width]} "
-        "rows a step; per stage: peak MB during the forwards and backwards (activations in flight + the stage's "
-        "gradients), most micro-batches in flight, bubble (waiting / step time)"
+        "rows a step; per stage: activation peak MB (the most bytes the forwards and backwards held at once, less "
+        "the gradients they leave), most micro-batches in flight, bubble (waiting / step time)"
     )
     schedule_rows = [
         [s, *(f"{r['activation_peak'] / 1e6:.2f} / {r['in_flight']} / {r['bubble']:.2f}" for r in ranks)]
