@@ -231,7 +231,10 @@ def test_bad_data_or_functions(
     assert not (tmp_path / "bad" / "events.jsonl").exists()  # no worker ever started
 
 
-def test_streaming_without_an_id_column_and_unknown_toml_keys(tmp_path: Path) -> None:
+@pytest.mark.ray
+def test_streaming_without_an_id_column_and_unknown_toml_keys(tmp_path: Path, ray_local: None) -> None:
+    """(`ray_local`: the trainer's data set is a Ray dataset; without a connection Ray Data would join whatever
+    instance the machine's /tmp/ray names, a dead one included.)"""
     with pytest.raises(ConfigError, match="id_column must name a column with a unique integer id per sample"):
         make_trainer(tmp_path, "s", workers=1, deterministic=False, id_column=None)
     from raytrain.cli.fit_config import parse_fit_config
