@@ -25,7 +25,7 @@ from raytrain.config import (
     TrainSpec,
 )
 from raytrain.errors import ConfigError
-from raytrain.toy import adamw, gpt_factory, mlp_factory, mlp_tp_plan, squared_error
+from raytrain.toy import adamw, mlp_factory, mlp_tp_plan, squared_error
 from raytrain.trainer import ElasticTrainer
 
 
@@ -277,8 +277,9 @@ def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
         )
         bad.check_user_functions()
     _tp_trainer(tmp_path, tp_plan_fn=mlp_tp_plan).check_user_functions()  # the toy MLP's plan fits tp 2
-    with pytest.raises(ConfigError, match=r"cuts nn\.Sequential models into stages, got GPT"):
-        _tp_trainer(tmp_path, model_fn=gpt_factory(), parallel=ParallelConfig(pp=2)).check_user_functions()
+    unsplittable = functools.partial(torch.nn.Transformer, 16, 2, 1, 1, 32)  # two block lists, no pipeline_split()
+    with pytest.raises(ConfigError, match=r"pipeline parallel \(pp > 1\) cannot split Transformer: .*pipeline_split"):
+        _tp_trainer(tmp_path, model_fn=unsplittable, parallel=ParallelConfig(pp=2)).check_user_functions()
     with pytest.raises(ConfigError, match=r"max_workers must be a multiple of tp \* pp \(2 \* 2 = 4\)"):
         _tp_trainer(tmp_path, parallel=ParallelConfig(tp=2, pp=2), cluster=ClusterConfig(min_workers=4, max_workers=6))
     _tp_trainer(tmp_path, parallel=ParallelConfig(pp=2)).check_user_functions()  # the MLP is an nn.Sequential
