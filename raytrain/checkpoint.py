@@ -250,12 +250,12 @@ def load_checkpoint(
     reader = SafeReader(directory)
     # Checkpoints written before the optimizer state was flattened hold the groups as a list, each with its
     # "params" ("optim.param_groups.0.params"); the flattened form stores options per parameter name only.
-    options = None if "optim.param_groups.0.params" in reader.read_metadata().state_dict_metadata else FLAT
+    stored = set(reader.read_metadata().state_dict_metadata)
+    options = None if "optim.param_groups.0.params" in stored else FLAT
     renamed: dict[str, str] = {}
     if not os.path.exists(zero1_file):
         sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
-        stored = reader.read_metadata().state_dict_metadata
-        renamed = _read_under_aliases(sharded["optim"], set(stored), aliases or {})
+        renamed = _read_under_aliases(sharded["optim"], stored, aliases or {})
     dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())
     _back_to_own_names(sharded.get("optim"), renamed)
     set_model_state_dict(model, sharded["model"])

@@ -188,23 +188,18 @@ def test_a_model_raytrain_cannot_split_is_refused_naming_what_is_missing() -> No
     with pytest.raises(ConfigError, match=r"names 'ln_final', which Split does not have"):
         pipeline_units(Split({**full, "last": ["ln_final", "lm_head"]}))
     gpt = GPT(blocks=3)
-    gpt.pipeline_split = lambda: {"blocks": "blocks", "first": ["token"], "last": ["norm", "head"]}  # type: ignore[method-assign]
+
+    def split(first: list[str], **extra: object) -> None:
+        spec = {"blocks": "blocks", "first": first, "last": ["norm", "head"], **extra}
+        gpt.pipeline_split = lambda: spec  # type: ignore[method-assign]
+
+    split(["token"])
     with pytest.raises(ConfigError, match=r"parameter 'position.weight' lies in none of blocks"):
         pipeline_units(gpt)
-    gpt.pipeline_split = lambda: {
-        "blocks": "blocks",
-        "first": ["token", "position"],
-        "last": ["norm", "head"],
-        "starts": [2],
-    }  # type: ignore[method-assign]
+    split(["token", "position"], starts=[2])
     assert cut_stages(gpt, 2).bounds == [(0, 2), (2, 3)]  # a user-given cut: stage 1 starts at block 2
+    split(["token", "position"], starts=[3])
     with pytest.raises(ConfigError, match=r"starts must be 1 increasing block indices in 1\.\.2 .* got \[3\]"):
-        gpt.pipeline_split = lambda: {
-            "blocks": "blocks",
-            "first": ["token", "position"],
-            "last": ["norm", "head"],
-            "starts": [3],
-        }  # type: ignore[method-assign]
         cut_stages(gpt, 2)
 
 

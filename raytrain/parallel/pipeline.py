@@ -183,20 +183,25 @@ def _split_units(model: nn.Module, split: PipelineSplit) -> list[Unit]:
     return units
 
 
+def _required_split(model: nn.Module) -> PipelineSplit:
+    """`split_of(model)`, or `ConfigError` naming what to add when raytrain cannot split `model`."""
+    split = split_of(model)
+    if split is None:
+        raise ConfigError(
+            f"pipeline parallel (pp > 1) cannot split {type(model).__name__}: it is not an nn.Sequential, has no "
+            "pipeline_split() method and is not a known family (a transformers model with base_model_pp_plan, "
+            f"{', '.join(f[0] for f in KNOWN_SPLITS)}): define {type(model).__name__}.pipeline_split() returning "
+            "{'blocks': 'path.of.the.block.list', 'first': [modules before the blocks], 'last': [modules after]}"
+        )
+    return split
+
+
 def pipeline_units(model: nn.Module) -> list[Unit]:
     """The units a pipeline is cut between, in forward order. An `nn.Sequential` model: each child, a child that is
     itself an `nn.Sequential` expanded. Any other model: its blocks with the modules before and after them
     (`split_of`). Raises `ConfigError` naming what is missing for a model raytrain cannot split."""
     if not isinstance(model, nn.Sequential):
-        split = split_of(model)
-        if split is None:
-            raise ConfigError(
-                f"pipeline parallel (pp > 1) cannot split {type(model).__name__}: it is not an nn.Sequential, has no "
-                "pipeline_split() method and is not a known family (a transformers model with base_model_pp_plan, "
-                f"{', '.join(f[0] for f in KNOWN_SPLITS)}): define {type(model).__name__}.pipeline_split() returning "
-                "{'blocks': 'path.of.the.block.list', 'first': [modules before the blocks], 'last': [modules after]}"
-            )
-        return _split_units(model, split)
+        return _split_units(model, _required_split(model))
     units: list[Unit] = []
 
     def visit(container: nn.Sequential, prefix: str) -> None:
@@ -280,9 +285,9 @@ class StageCut:
 def cut_stages(model: nn.Module, stages: int) -> StageCut:
     """The cut of `model` into `stages` pipeline stages that every rank applies (`keep_stage`): a user-given cut
     (`PipelineSplit.starts`) or stages of balanced parameter counts."""
-    units = pipeline_units(model)
+    split = None if isinstance(model, nn.Sequential) else _required_split(model)  # asked once: it may call user code
+    units = pipeline_units(model) if split is None else _split_units(model, split)
     counts = [_unit_parameters(model, unit) for unit in units]
-    split = None if isinstance(model, nn.Sequential) else split_of(model)
     if split is not None and split.starts:
         return StageCut(units, counts, given_bounds(split.starts, len(units), stages, split.source), "given")
     return StageCut(units, counts, stage_bounds(counts, stages))
