@@ -135,10 +135,14 @@ SCHEDULE_MICRO_BATCHES = 8
 SCHEDULE_ROWS = {64: 64, 512: 256}  # rows per micro-batch by model width (--quick, full)
 
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) -> dict[str, Any]:
-    """pp = WORLD stages, dp 1, `SCHEDULE_MICRO_BATCHES` micro-batches a step under `schedule`: this stage's
-    activation peak (the most bytes the forwards and backwards held at once, less the gradients they leave), its
-    waits and step times, and the losses."""
+    """pp = WORLD stages, dp 1, `SCHEDULE_MICRO_BATCHES` micro-batches a step under `schedule` (interleaved: 2
+    chunks per stage): this stage's activation peak (the most bytes the forwards and backwards held at once, less
+    the gradients they leave), its waits and step times, and the losses."""
+    chunks = 2 if schedule == "interleaved_1f1b" else 1
     dims = ParallelDims.of(WORLD, pp=WORLD)
     coords = dims.coords(rank)
     mesh = dims.build_mesh("cpu")
@@ -149,12 +153,13 @@ def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) 
     y = torch.tanh(x.sum(dim=1, keepdim=True)).squeeze(1)
     built = record_build(functools.partial(block_mlp, FEATURES, width, blocks))
     model = apply_parallelism(
-        built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, stage=coords.pp, init=built.trace
+        built.model, "ddp", torch.device("cpu"), dims, mesh=mesh, stage=coords.pp, pp_chunks=chunks, init=built.trace
     )
     optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
     stats = PipelineStats()
     policy = replace(
-        step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, pp_schedule=schedule), pipeline_stats=stats
+        step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, pp_schedule=schedule, pp_chunks=chunks),
+        pipeline_stats=stats,
     )
     losses, peaks = [], []
     for step in range(steps):
@@ -184,8 +189,8 @@ def rank_main(rank: int, world: int, width: int, blocks: int, steps: int) -> dic
     for name in LAYOUTS:
         results[name] = run_layout(rank, name, width, blocks, steps)
         dist.barrier()
-    for schedule in ("gpipe", "1f1b"):
-        results[f"schedule-{schedule}"] = run_schedule(rank, schedule, width, blocks, steps)
+    for schedule in SCHEDULES:  # enough blocks for 2 chunks per stage
+        results[f"schedule-{schedule}"] = run_schedule(rank, schedule, width, max(blocks, 2 * WORLD), steps)
         dist.barrier()
     return results
 
@@ -246,11 +251,12 @@ def main() -> None:
         result[f"step_time_ratio_{name}"] = round(worst[name]["step_s"] / base["step_s"], 2)
     for name in MODEL_PARALLEL:
         result[f"peak_ratio_{name}_vs_zero3"] = round(worst[name]["peak"] / zero3["peak"], 3)
-    schedules = {s: [r[f"schedule-{s}"] for r in per_rank] for s in ("gpipe", "1f1b")}
+    schedules = {s: [r[f"schedule-{s}"] for r in per_rank] for s in SCHEDULES}
     print(
         f"pipeline schedules: pp {WORLD}, dp 1, {SCHEDULE_MICRO_BATCHES} micro-batches of {SCHEDULE_ROWS[width]} "
-        "rows a step; per stage: activation peak MB (the most bytes the forwards and backwards held at once, less "
-        "the gradients they leave), most micro-batches in flight, bubble (waiting / step time)"
+        f"rows a step, {max(blocks, 2 * WORLD)} blocks; per stage: activation peak MB (the most bytes the forwards "
+        "and backwards held at once, less the gradients they leave), most micro-batches in flight (interleaved: "
+        "micro-batch chunks, each half a stage), bubble (waiting / step time)"
     )
     schedule_rows = [
         [s, *(f"{r['activation_peak'] / 1e6:.2f} / {r['in_flight']} / {r['bubble']:.2f}" for r in ranks)]
@@ -258,11 +264,16 @@ def main() -> None:
     ]
     print(table(["schedule", *(f"stage {stage}" for stage in range(WORLD))], schedule_rows))
     gpipe_peak = max(r["activation_peak"] for r in schedules["gpipe"])
-    result["activation_peak_ratio_1f1b"] = round(max(r["activation_peak"] for r in schedules["1f1b"]) / gpipe_peak, 3)
+    for s in SCHEDULES[1:]:
+        result[f"activation_peak_ratio_{s}"] = round(max(r["activation_peak"] for r in schedules[s]) / gpipe_peak, 3)
     for s, ranks in schedules.items():
         result[f"bubble_{s}"] = round(max(r["bubble"] for r in ranks), 3)
-    last_stage = (schedules["gpipe"][-1]["losses"], schedules["1f1b"][-1]["losses"])
-    result["schedule_losses_equal"] = all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(*last_stage, strict=True))
+    gpipe_losses = schedules["gpipe"][-1]["losses"]
+    result["schedule_losses_equal"] = all(
+        abs(a - b) <= 1e-6 * abs(b)
+        for s in SCHEDULES[1:]
+        for a, b in zip(schedules[s][-1]["losses"], gpipe_losses, strict=True)
+    )
     print(f"wall time {time.perf_counter() - began:.1f} s")
     print_headline(result)
 

@@ -1,7 +1,7 @@
 """Train a tiny character-level transformer language model on Shakespeare's sonnets with raytrain.
 
     python examples/train_char_lm.py [--workers 2] [--steps N] [--storage DIR] [--strategy ddp|zero1|zero2|zero3|auto]
-                                     [--pp 2 [--pp-schedule gpipe|1f1b]]
+                                     [--pp 2 [--pp-schedule gpipe|1f1b|interleaved_1f1b]] [--layers N]
 
 The text, examples/data/shakespeare_sonnets.txt, is 23 of Shakespeare's sonnets (1609; public domain), in the
 modernised spelling of the Project Gutenberg edition (eBook #1041), numbered as in the original. About 13 KB:
@@ -9,7 +9,8 @@ small enough to train on in a minute on two CPU cores, large enough to watch the
 
 With `--pp 2` the model is cut into two pipeline stages between its blocks (`CharTransformer.pipeline_split`), one
 per worker of a replica, and the step's micro-batches flow through them in the `--pp-schedule` order; the final
-checkpoint still loads into one whole model for the sample.
+checkpoint still loads into one whole model for the sample. `interleaved_1f1b` gives each worker two chunks of the
+model (blocks 0 and 2, 1 and 3 with `--pp 2 --layers 4`): it needs at least 2 x pp blocks.
 
 With RAY_ADDRESS set it joins that cluster; otherwise it starts a local Ray instance. The run goes to
 <storage>/<run-name> (default ./raytrain_runs/char_lm); running the same command again resumes from the latest
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=100, help="characters to sample at the end (0: none)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages, one worker each (default 1)")
     parser.add_argument("--pp-schedule", default="gpipe", choices=PP_SCHEDULES, help="pipeline schedule")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     args = parser.parse_args()
 
     import ray
@@ -194,7 +196,8 @@ def main() -> None:
     columns, vocab = char_windows(text, CONTEXT, args.stride)
     windows = len(columns["id"])
     print(f"{len(text)} characters, vocabulary {len(vocab)}, {windows} windows of {CONTEXT} (stride {args.stride})")
-    model_fn = partial(CharTransformer, len(vocab), CONTEXT)  # the vocabulary size travels inside the partial
+    # the vocabulary size and the depth travel inside the partial
+    model_fn = partial(CharTransformer, len(vocab), CONTEXT, layers=args.layers)
 
     # The global batch is the one batch number: windows per optimizer step, summed over workers and
     # micro-steps. raytrain keeps it fixed when workers join or leave and re-splits it as world size x

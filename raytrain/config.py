@@ -23,7 +23,7 @@ GradAccumulation = Literal["auto", "unsharded", "sharded"]
 GRAD_ACCUMULATIONS: tuple[str, ...] = get_args(GradAccumulation)
 InitMode = Literal["auto", "meta", "full"]
 INIT_MODES: tuple[str, ...] = get_args(InitMode)
-PPSchedule = Literal["gpipe", "1f1b"]
+PPSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 PP_SCHEDULES: tuple[str, ...] = get_args(PPSchedule)  # raytrain.parallel.pipeline.SCHEDULES
 
 
@@ -229,8 +229,13 @@ class ParallelConfig:
             `min_workers` before any worker starts (`raytrain.parallel.layout`); needs `device_memory_gb` and
             `workers_per_node`.
         pp_schedule: the pipeline's schedule: "gpipe" (default: every micro-batch's forward, then every backward;
-            holds all the step's micro-batches' activations) or "1f1b" (a forward and a backward in turn once the
-            pipeline is full: at most pp micro-batches in flight per stage, the same bubble).
+            holds all the step's micro-batches' activations), "1f1b" (a forward and a backward in turn once the
+            pipeline is full: at most pp micro-batches in flight per stage, the same bubble) or "interleaved_1f1b"
+            (Megatron's: each worker holds `pp_chunks` non-adjacent chunks of the model, the bubble about
+            `pp_chunks` times smaller, more activations in flight than 1f1b).
+        pp_chunks: model chunks per pipeline stage (interleaved_1f1b only; default 2 there, 1 otherwise): the
+            model is cut into pp * pp_chunks virtual stages and worker s holds s, s + pp, ...; needs at least that
+            many blocks.
         device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
         workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
     """
@@ -243,6 +248,7 @@ class ParallelConfig:
     tp: int | Literal["auto"] = 1
     pp: int | Literal["auto"] = 1
     pp_schedule: str = "gpipe"
+    pp_chunks: int | None = None
     device_memory_gb: float | None = None
     workers_per_node: int | None = None
 
@@ -275,9 +281,25 @@ class ParallelConfig:
         _one_of("precision", self.precision, PRECISIONS)
         _one_of("grad_accumulation", self.grad_accumulation, GRAD_ACCUMULATIONS)
         _one_of("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_chunks is not None:
+            interleaved = self.pp_schedule == "interleaved_1f1b"
+            _int_at_least("pp_chunks", self.pp_chunks, 2 if interleaved else 1)
+            if not interleaved and self.pp_chunks != 1:
+                raise ConfigError(
+                    f"pp_chunks={self.pp_chunks} needs pp_schedule 'interleaved_1f1b' (the {self.pp_schedule} "
+                    "schedule runs one chunk per stage)"
+                )
         for name in ("activation_checkpointing", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline stage: `pp_chunks`, or its default for the schedule (2 for
+        interleaved_1f1b, else 1)."""
+        if self.pp_chunks is not None:
+            return self.pp_chunks
+        return 2 if self.pp_schedule == "interleaved_1f1b" else 1
 
     @property
     def degrees(self) -> tuple[int, int]:

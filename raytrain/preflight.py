@@ -147,13 +147,14 @@ def check_pipeline(
     sample: dict[str, np.ndarray],
     pp: int,
     build_cpu_model: Callable[[], nn.Module],
+    chunks: int = 1,
 ) -> str:
-    """With `pp` > 1: run `sample` through the `pp` stage models one after another in this process, as the pipeline
-    runs them (`raytrain.parallel.pipeline.chain_stages`), and compare with the whole model's losses. On a real CPU
-    model (`build_cpu_model`, in eval mode) when the model has at most `CPU_CHECK_MAX_PARAMS` parameters: the
-    values must agree, so a split whose first or last modules are not the ones the forward runs before or after the
-    blocks is refused; larger models on the meta device (shapes only). `ConfigError` naming the problem. Returns a
-    line for the log."""
+    """With `pp` > 1: run `sample` through the `pp` stage models (`chunks` chunks each) one after another in this
+    process, as the pipeline runs them (`raytrain.parallel.pipeline.chain_stages`), and compare with the whole
+    model's losses. On a real CPU model (`build_cpu_model`, in eval mode) when the model has at most
+    `CPU_CHECK_MAX_PARAMS` parameters: the values must agree, so a split whose first or last modules are not the
+    ones the forward runs before or after the blocks is refused; larger models on the meta device (shapes only).
+    `ConfigError` naming the problem. Returns a line for the log."""
     import copy
 
     from raytrain.data.materialized import to_tensors
@@ -167,7 +168,7 @@ def check_pipeline(
     stages = []
     for stage in range(pp):
         model = copy.deepcopy(whole)
-        keep_stage(model, stage, pp)
+        keep_stage(model, stage, pp, chunks)
         stages.append(model)
     try:
         with torch.no_grad():
@@ -197,7 +198,7 @@ def check_pipeline(
 
 
 def check_stage_ties(
-    model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFactory, pp: int, lr: float
+    model_fn: Callable[[], nn.Module], optimizer_fn: OptimizerFactory, pp: int, lr: float, chunks: int = 1
 ) -> list[str]:
     """With `pp` > 1 stages, a parameter tied across stages is a copy on each (`raytrain.parallel.pipeline.
     StageTie`); every copy must get the same optimizer options, or the copies drift apart. `optimizer_fn` sees
@@ -205,11 +206,11 @@ def check_stage_ties(
     stages and the option. Returns one line per tie for the log."""
     from raytrain.parallel.pipeline import keep_stage, stage_ties
 
-    ties = stage_ties(build_model_for_check(model_fn), pp)
+    ties = stage_ties(build_model_for_check(model_fn), pp, chunks)
     options: dict[tuple[int, int], dict[str, Any]] = {}
     for stage in sorted({stage for tie in ties for stage in tie.names}):
         model = build_model_for_check(model_fn)
-        keep_stage(model, stage, pp)
+        keep_stage(model, stage, pp, chunks)
         optimizer = call_optimizer_fn(optimizer_fn, model, lr)
         for index, tie in enumerate(ties):
             if stage in tie.names:

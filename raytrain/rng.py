@@ -79,9 +79,11 @@ class MicroBatchSeeds:
         for size in sizes[:-1]:
             self.offsets.append(self.offsets[-1] + size)
 
-    def __call__(self, j: int) -> None:
-        """Seed micro-batch `j` (0-based)."""
-        seed_generators(micro_batch_seed(self.seed, self.step, self.offsets[j], self.stage), self.device)
+    def __call__(self, j: int, stage: int | None = None) -> None:
+        """Seed micro-batch `j` (0-based) on this rank's pipeline stage, or on virtual stage `stage` (the
+        interleaved schedule's chunks: each draws its own masks)."""
+        stage = self.stage if stage is None else stage
+        seed_generators(micro_batch_seed(self.seed, self.step, self.offsets[j], stage), self.device)
 
 
 class TensorParallelRNG:

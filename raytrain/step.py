@@ -72,7 +72,7 @@ class Step:
         policy: StepPolicy = SYNC_LAST_MICRO_STEP,
         scaler: torch.amp.GradScaler | None = None,
         agree: Callable[[], list[float]] | None = None,
-        seeds: Callable[[int], None] | None = None,
+        seeds: Callable[..., None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.policy, self.scaler = model, optimizer, policy, scaler
         self.seeds = seeds
@@ -239,7 +239,7 @@ def train_step(
     max_grad_norm: float | None = None,
     policy: StepPolicy = SYNC_LAST_MICRO_STEP,
     scaler: torch.amp.GradScaler | None = None,
-    seeds: Callable[[int], None] | None = None,
+    seeds: Callable[..., None] | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches with `loss_fn` (collective: every rank calls it); see
     `Step` for the arithmetic. `seeds(j)`, when given, seeds micro-batch j's random ops (`raytrain.rng`)."""

@@ -560,14 +560,16 @@ class ElasticTrainer:
         if self.layout_reason:
             say(self.layout_reason)
         for line in check_model_parallel(
-            self.model_fn, *spec.parallel.degrees, self.tp_plan_fn, spec.parallel.pp_schedule
+            self.model_fn, *spec.parallel.degrees, self.tp_plan_fn, spec.parallel.pp_schedule, spec.parallel.chunks
         ):
             say(line)
         if spec.parallel.degrees[1] > 1:
             from raytrain.preflight import check_stage_ties
 
             lr = spec.lr.peak_lr(spec.batch.global_batch)
-            for line in check_stage_ties(self.model_fn, self.optimizer_fn, spec.parallel.degrees[1], lr):
+            for line in check_stage_ties(
+                self.model_fn, self.optimizer_fn, spec.parallel.degrees[1], lr, spec.parallel.chunks
+            ):
                 say(line)
         if self.init_from is not None:
             from raytrain.pretrained import check_names, open_pretrained
@@ -600,7 +602,7 @@ class ElasticTrainer:
         if pp > 1:
             from raytrain.preflight import check_pipeline
 
-            say(check_pipeline(self.model_fn, self.loss_fn, sample, pp, cpu_model))
+            say(check_pipeline(self.model_fn, self.loss_fn, sample, pp, cpu_model, self.spec.parallel.chunks))
 
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""

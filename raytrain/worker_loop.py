@@ -351,7 +351,8 @@ def start_run(job: WorkerJob) -> Run:
     resuming = ray.train.get_checkpoint() is not None
     pretrained = job.pretrained if not resuming else None  # a checkpoint replaces the weights anyway
     model, trace = build_model(job)
-    ties = stage_ties(model, dims.pp) if dims.pp > 1 else []  # of the whole model, before the stage is cut
+    # of the whole model, before the stage is cut
+    ties = stage_ties(model, dims.pp, spec.parallel.chunks) if dims.pp > 1 else []
     # a tied parameter's optimizer state is stored under one of its names: the one this layout may not hold
     aliases = tie_aliases(model)
     parallel = spec.parallel
@@ -366,6 +367,7 @@ def start_run(job: WorkerJob) -> Run:
         device=device,
         local_workers=context.get_local_world_size(),
         stages=dims.pp,
+        chunks=spec.parallel.chunks,
         units_fn=job.units_fn,
     )
     if layout.reason:
@@ -379,6 +381,7 @@ def start_run(job: WorkerJob) -> Run:
         mesh=mesh,
         tp_plan=tp_plan,
         stage=coords.pp,
+        pp_chunks=parallel.chunks,
         init=trace,
         seed=spec.loop.seed,
         pretrained=pretrained,
@@ -389,7 +392,15 @@ def start_run(job: WorkerJob) -> Run:
         log=log.print,
     )
     policy = step_policy(
-        strategy, dims, parallel.precision, layout.grad_accumulation, mesh, coords, ties, parallel.pp_schedule
+        strategy,
+        dims,
+        parallel.precision,
+        layout.grad_accumulation,
+        mesh,
+        coords,
+        ties,
+        parallel.pp_schedule,
+        parallel.chunks,
     )
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)

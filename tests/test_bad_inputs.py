@@ -124,6 +124,16 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ),
     ("tp zero", lambda: ParallelConfig(tp=0), "tp must be an integer >= 1 or 'auto', got 0"),
     (
+        "chunks without interleaving",
+        lambda: ParallelConfig(pp=2, pp_chunks=2),
+        "pp_chunks=2 needs pp_schedule 'interleaved_1f1b' \\(the gpipe schedule runs one chunk per stage\\)",
+    ),
+    (
+        "interleaving one chunk",
+        lambda: ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=1),
+        "pp_chunks must be an integer >= 2, got 1",
+    ),
+    (
         "tp with an odd min_workers",
         lambda: _tp_spec(cluster=ClusterConfig(min_workers=3, max_workers=4)),
         r"min_workers must be a multiple of tp \* pp \(2 \* 1 = 2\).*got 3",
@@ -283,3 +293,6 @@ def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"max_workers must be a multiple of tp \* pp \(2 \* 2 = 4\)"):
         _tp_trainer(tmp_path, parallel=ParallelConfig(tp=2, pp=2), cluster=ClusterConfig(min_workers=4, max_workers=6))
     _tp_trainer(tmp_path, parallel=ParallelConfig(pp=2)).check_user_functions()  # the MLP is an nn.Sequential
+    interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")  # 2 chunks per stage: 4 virtual stages
+    with pytest.raises(ConfigError, match=r"4 pipeline stages \(pp x pp_chunks\) need at least 4 pipeline units"):
+        _tp_trainer(tmp_path, parallel=interleaved).check_user_functions()

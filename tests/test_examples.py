@@ -79,10 +79,11 @@ def test_train_mlp_example_and_its_live_recovery_mode_give_the_same_curve(tmp_pa
 
 
 def test_train_char_lm_example(tmp_path: Path) -> None:
-    """Two pipeline stages (`--pp 2`, 1F1B) of the example's own transformer, cut by its `pipeline_split()`; the
-    driver loads the two stages' checkpoint into one whole model."""
+    """Two pipeline stages (`--pp 2`) of the example's own transformer of 4 blocks, cut by its `pipeline_split()`
+    into 4 chunks under the interleaved 1F1B schedule (worker 0 holds blocks 0 and 2, worker 1 blocks 1 and 3, the
+    last sends back to the first); the driver loads the two stages' checkpoint into one whole model."""
     steps = 20
-    args = ("--sample", "20", "--pp", "2", "--pp-schedule", "1f1b")
+    args = ("--sample", "20", "--pp", "2", "--pp-schedule", "interleaved_1f1b", "--layers", "4")
     completed = run_example("train_char_lm.py", tmp_path, *args, steps=steps)
     lines = check_metrics(tmp_path / "char_lm" / "metrics.jsonl", steps)
     uniform = math.log(60)  # the loss of a uniform guess over the 60 characters

@@ -18,11 +18,13 @@ from raytrain.errors import ConfigError
 from raytrain.parallel.apply import repeated_blocks
 from raytrain.parallel.dims import Coords, ParallelDims, check_tp_within_nodes
 from raytrain.parallel.pipeline import (
+    SCHEDULES,
     chain_stages,
     cut_stages,
     keep_stage,
     pipeline_units,
     schedule_order,
+    sent_messages,
     split_of,
     stage_bounds,
     stage_models,
@@ -104,7 +106,8 @@ def test_stage_bounds_balance_parameters_and_never_leave_a_stage_empty() -> None
     assert stage_bounds([10, 0, 10, 0], 2) == [(0, 2), (2, 4)]  # parameter-less units stay with the unit before
     assert stage_bounds([1, 1, 1, 1, 100], 2) == [(0, 4), (4, 5)]
     assert stage_bounds([100, 1, 1, 1], 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
-    with pytest.raises(ConfigError, match="pp = 3 needs at least 3 pipeline units with parameters, the model has 2"):
+    need = r"3 pipeline stages \(pp x pp_chunks\) need at least 3 pipeline units with parameters, the model has 2"
+    with pytest.raises(ConfigError, match=need):
         stage_bounds([5, 0, 5], 3)
 
 
@@ -141,33 +144,46 @@ def _hf_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return next_token_loss(lambda tokens: model(input_ids=tokens).logits, batch)  # type: ignore[arg-type]
 
 
-SPLIT_MODELS = {  # builder, loss, where the split comes from, the blocks
-    "toy GPT": (lambda: GPT(tie_embeddings=True, blocks=3), next_token_loss, "GPT.pipeline_split()", "blocks"),
-    "Llama": (lambda: llama(), _hf_loss, "LlamaForCausalLM's base_model_pp_plan", "model.layers"),
-    "GPT-2": (lambda: gpt2(), _hf_loss, "the GPT-2 split", "transformer.h"),
+SPLIT_MODELS = {  # builder, loss, where the split comes from, the blocks (4 each)
+    "toy GPT": (lambda: GPT(tie_embeddings=True, blocks=4), next_token_loss, "GPT.pipeline_split()", "blocks"),
+    "Llama": (lambda: llama(layers=4), _hf_loss, "LlamaForCausalLM's base_model_pp_plan", "model.layers"),
+    "GPT-2": (lambda: gpt2(layers=4), _hf_loss, "the GPT-2 split", "transformer.h"),
 }
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
 @pytest.mark.parametrize("family", SPLIT_MODELS)
-def test_a_decoder_is_split_between_its_blocks_and_its_stages_chain_to_the_whole_models_losses(family: str) -> None:
+def test_a_decoder_is_split_between_its_blocks_and_its_stages_chain_to_the_whole_models_losses(
+    family: str, chunks: int
+) -> None:
     """The split of a model that is not an nn.Sequential: embeddings with the first block, norm and head with the
     last; each stage keeps its parameters under their names in the whole model; the stages run one after another
-    (each its own forward, fed the previous stage's output at its first block) give the whole model's losses."""
+    (each its own forward, fed the previous stage's output at its first block) give the whole model's losses. In
+    2 chunks (the interleaved schedule) stage 0 holds blocks 0 and 2, stage 1 blocks 1 and 3, and each chunk's
+    forward runs only its own blocks."""
     build, loss, source, blocks = SPLIT_MODELS[family]
     split = split_of(_meta(build))
     assert split is not None and split.source == source and split.blocks == blocks
     torch.manual_seed(0)
     whole = build().to(torch.float64).eval()
     names = {name for name, _ in whole.named_parameters(remove_duplicate=False)}
-    stages = stage_models(lambda: copy.deepcopy(whole), 2)
+    stages = stage_models(lambda: copy.deepcopy(whole), 2, chunks)
     kept = [{name for name, _ in stage.named_parameters(remove_duplicate=False)} for stage in stages]
     assert kept[0] | kept[1] == names and all(k < names for k in kept)
-    assert not any(name.startswith(f"{blocks}.0.") for name in kept[1])  # the first block is on stage 0 only
-    assert len(stage_ties(whole, 2)) == 1  # the embedding tied to the head: one copy on each end stage
+    held = [{int(name[len(blocks) + 1 :].split(".")[0]) for name in k if name.startswith(blocks)} for k in kept]
+    assert 0 in held[0] and 3 in held[1]
+    if chunks == 2:  # four virtual stages of one block each, dealt round-robin
+        assert held == [{0, 2}, {1, 3}]
+    assert len(stage_ties(whole, 2, chunks)) == 1  # the embedding tied to the head: one copy on each end stage
     x = torch.randint(0, 16, (3, 8))
     batch = {"x": x, "y": torch.roll(x, -1, dims=1)}
+    calls: list[int] = []
+    for stage in stages:
+        for block in stage.get_submodule(blocks).children():
+            block.register_forward_pre_hook(lambda module, args: calls.append(id(module)))
     with torch.no_grad():
         assert torch.equal(chain_stages(stages, loss, batch), loss(whole, batch))
+    assert len(calls) == 4  # each block ran once: a chunk's forward skips the stage's other chunk
 
 
 def test_a_model_raytrain_cannot_split_is_refused_naming_what_is_missing() -> None:
@@ -203,51 +219,83 @@ def test_a_model_raytrain_cannot_split_is_refused_naming_what_is_missing() -> No
         cut_stages(gpt, 2)
 
 
-def _simulate(schedule: str, stages: int, micro: int) -> int:
-    """Every stage runs `schedule_order` one operation per tick, an operation waiting until what it needs is done
-    (a forward: the previous stage's forward of that micro-batch; a backward: the next stage's backward of it).
-    Returns the ticks to the end; fails on a deadlock (no stage can move)."""
-    orders = [schedule_order(schedule, stage, stages, micro) for stage in range(stages)]
-    done: set[tuple[int, str, int]] = set()
-    position, ticks = [0] * stages, 0
+def _simulate(schedule: str, stages: int, micro: int, chunks: int = 1) -> int:
+    """Every stage runs `schedule_order` one operation per tick. A forward of virtual stage v needs v - 1's output,
+    a backward v + 1's input gradient, each sent over the channel from the stage holding it (a stage's receives
+    take a message once it is sent, keeping the ones sent before it: `pipeline_step`'s inbox). Returns the ticks
+    to the end; fails on a deadlock (no stage can move). The messages each channel carried, in order, must be
+    those `sent_messages` gives (what the receiving stage expects)."""
+    orders = [schedule_order(schedule, stage, stages, micro, chunks) for stage in range(stages)]
+    carried: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
+    arrived: set[tuple[str, int, int]] = set()
+    virtual, position, ticks = stages * chunks, [0] * stages, 0
     while any(p < len(o) for p, o in zip(position, orders, strict=True)):
-        ready = []
+        moves = []
         for stage, order in enumerate(orders):
-            if position[stage] == len(order):
-                continue
-            kind, j = order[position[stage]]
-            need = (stage - 1, "F", j) if kind == "F" else (stage + 1, "B", j)
-            if (kind == "F" and stage == 0) or (kind == "B" and stage == stages - 1) or need in done:
-                ready.append((stage, kind, j))
-        assert ready, f"{schedule} deadlocks at {position}"
-        for stage, kind, j in ready:
-            done.add((stage, kind, j))
+            if position[stage] < len(order):
+                kind, j, c = order[position[stage]]
+                v = stage + c * stages
+                source = v - 1 if kind == "F" else v + 1
+                if not 0 <= source < virtual or (kind, source, j) in arrived:
+                    moves.append((stage, kind, j, v))
+        assert moves, f"{schedule} deadlocks at {position}"
+        for stage, kind, j, v in moves:  # what one tick sends arrives for the next
+            target = v + 1 if kind == "F" else v - 1
+            if 0 <= target < virtual:
+                carried.setdefault((stage, target % stages), []).append((kind, v, j))
+                arrived.add((kind, v, j))
             position[stage] += 1
         ticks += 1
+    for src in range(stages):
+        for dst in range(stages):
+            assert carried.get((src, dst), []) == sent_messages(orders, stages, chunks, src, dst)
     return ticks
 
 
-@given(stages=st.integers(1, 6), micro=st.integers(1, 12))
-def test_gpipe_and_1f1b_run_every_micro_batch_once_without_deadlock_and_1f1b_holds_at_most_pp(
-    stages: int, micro: int
+def _in_flight(order: list[tuple[str, int, int]]) -> int:
+    """The most micro-batch chunks whose forward ran and backward did not yet (activations held); fails on a
+    backward before its forward."""
+    held: set[tuple[int, int]] = set()
+    most = 0
+    for kind, j, c in order:
+        if kind == "F":
+            held.add((j, c))
+        else:
+            assert (j, c) in held, f"backward of {j} (chunk {c}) before its forward"
+            held.remove((j, c))
+        most = max(most, len(held))
+    return most
+
+
+@given(stages=st.integers(1, 6), micro=st.integers(1, 12), chunks=st.integers(2, 4))
+def test_schedules_run_every_micro_batch_once_without_deadlock_and_hold_what_they_promise(
+    stages: int, micro: int, chunks: int
 ) -> None:
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in SCHEDULES:
+        per_stage = chunks if schedule == "interleaved_1f1b" else 1
         for stage in range(stages):
-            order = schedule_order(schedule, stage, stages, micro)
-            assert sorted(order) == sorted([("F", j) for j in range(micro)] + [("B", j) for j in range(micro)])
-            in_flight, most = set(), 0
-            for kind, j in order:
-                if kind == "F":
-                    in_flight.add(j)
-                else:
-                    assert j in in_flight, f"{schedule}: backward {j} before its forward"
-                    in_flight.remove(j)
-                most = max(most, len(in_flight))
-            assert most == (micro if schedule == "gpipe" else min(micro, stages - stage))
-    # the same bubble: both end after 2 (micro + stages - 1) ticks of one forward or backward each
+            order = schedule_order(schedule, stage, stages, micro, per_stage)
+            every = [(kind, j, c) for kind in "FB" for j in range(micro) for c in range(per_stage)]
+            assert sorted(order) == sorted(every)
+            most = _in_flight(order)
+            if schedule == "gpipe":
+                assert most == micro
+            elif schedule == "1f1b":
+                assert most == min(micro, stages - stage)
+            else:  # the warm-up forwards, and the one forward before each backward
+                rounds = max(1, micro // stages)
+                warmup = 2 * (stages - stage - 1) + (chunks - 1) * (micro // rounds + (micro % rounds > 0))
+                assert most == min(warmup + 1, micro * chunks)
+    # GPipe and 1F1B: the same bubble, 2 (micro + stages - 1) ticks of one forward or backward each
     assert _simulate("gpipe", stages, micro) == _simulate("1f1b", stages, micro) == 2 * (micro + stages - 1)
-    with pytest.raises(ValueError, match="pipeline schedule must be one of gpipe, 1f1b, got 'zb'"):
+    # interleaved: a tick is one chunk (1 / chunks of a stage); with micro >= stages the bubble is smaller
+    ticks = _simulate("interleaved_1f1b", stages, micro, chunks)
+    if stages > 1 and micro >= stages and micro % stages == 0:
+        assert ticks / chunks < 2 * (micro + stages - 1)
+    with pytest.raises(ValueError, match="pipeline schedule must be one of gpipe, 1f1b, interleaved_1f1b, got 'zb'"):
         schedule_order("zb", 0, stages, micro)
+    with pytest.raises(ValueError, match="the interleaved_1f1b schedule runs >= 2 chunks per stage, got 1"):
+        schedule_order("interleaved_1f1b", 0, stages, micro, 1)
 
 
 def test_the_driver_chains_the_stages_and_refuses_a_split_that_computes_other_losses() -> None:

@@ -79,7 +79,12 @@ class Case:
     @property
     def name(self) -> str:
         name = f"w{self.world}-tp{self.tp}-pp{self.pp}-{self.model}-{self.strategy}-m{self.cap}-{self.optimizer}"
-        return name + ("-1f1b" if self.schedule == "1f1b" else "") + ("-wrong" if self.wrong_scale else "")
+        return name + ("" if self.schedule == "gpipe" else f"-{self.schedule}") + ("-wrong" if self.wrong_scale else "")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per stage: 2 for the interleaved schedule."""
+        return 2 if self.schedule == "interleaved_1f1b" else 1
 
 
 CASES = {
@@ -89,12 +94,13 @@ CASES = {
         # the embedding on stage 0 and the head tied to it on stage 1: gradients summed over the two stages
         Case(2, 1, "ddp", cap=3, pp=2, model="tied_seq", optimizer="adamw_ndim"),
         # models that are not nn.Sequential, cut by their split: the toy GPT's pipeline_split(), transformers'
-        # Llama by its base_model_pp_plan, GPT-2 by name; each ties its embedding to its head across the stages
+        # Llama by its base_model_pp_plan, GPT-2 by name; each ties its embedding to its head across the stages.
+        # Interleaved: each stage holds two of the four blocks (0 and 2, 1 and 3), the last sends to the first
         Case(2, 1, "ddp", cap=3, pp=2, model="tied_gpt", optimizer="adamw_ndim"),
         *(
             Case(2, 1, "ddp", cap=3, pp=2, model=model, optimizer="adamw_ndim", schedule=schedule)
             for model in ("llama", "gpt2")
-            for schedule in ("gpipe", "1f1b")
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
         ),
     ],
     4: [  # tp 2 x dp 2: 4 + 3 samples, k = 2
@@ -121,8 +127,10 @@ CASES = {
         *(
             Case(4, 1, strategy, cap=cap, pp=2, model=model, optimizer="adamw_ndim", schedule=schedule)
             for model, strategy, cap in (("llama", "ddp", 2), ("gpt2", "zero2", 2))
-            for schedule in ("gpipe", "1f1b")
+            for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
         ),
+        # interleaved under FSDP2: the step's last backward (chunk 0's) also reduces chunk 1's blocks
+        Case(4, 1, "zero3", cap=2, pp=2, model="llama", optimizer="adamw_ndim", schedule="interleaved_1f1b"),
         Case(4, 1, "zero3", cap=1, pp=2, model="tied_gpt", optimizer="adamw_ndim", schedule="1f1b"),  # k = 4
         Case(4, 2, "ddp", cap=3, pp=2, model="gpt", optimizer="adamw_named", schedule="1f1b"),
         # four stages, 7 micro-batches: 1F1B fills the pipeline with 3, 2, 1, 0 forwards
@@ -172,8 +180,8 @@ BUILDERS = {
     "gpt": lambda: GPT(**SHAPE).to(torch.float64),
     "tied_gpt": lambda: GPT(**SHAPE, tie_embeddings=True).to(torch.float64),
     "tied_seq": lambda: TiedSequential().to(torch.float64),
-    "llama": lambda: llama().to(torch.float64),
-    "gpt2": lambda: gpt2().to(torch.float64),
+    "llama": lambda: llama(layers=4).to(torch.float64),
+    "gpt2": lambda: gpt2(layers=4).to(torch.float64),
 }
 
 
@@ -272,7 +280,7 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     coords = dims.coords(rank)
     built = _meta_model(case.model)
     model = built.model
-    ties = stage_ties(model, dims.pp) if dims.pp > 1 else []
+    ties = stage_ties(model, dims.pp, case.chunks) if dims.pp > 1 else []
     plan = resolve_plan(model, TP_PLANS[case.model](model), dims.tp) if dims.tp > 1 else None
     model = apply_parallelism(
         model,
@@ -282,12 +290,13 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
         mesh=mesh,
         tp_plan=plan,
         stage=coords.pp,
+        pp_chunks=case.chunks,
         init=built.trace,
         seed=0,
     )
     optimizer_fn, max_norm = OPTIMIZERS[case.optimizer]
     optimizer = build_optimizer(model, optimizer_fn, LR, case.strategy)
-    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties, case.schedule)
+    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties, case.schedule, case.chunks)
     batch_plan = plan_batch(GLOBAL_BATCH, case.cap, dims.dp)
     replica = coords.dp
     columns = _columns(case.model)

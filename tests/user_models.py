@@ -89,13 +89,13 @@ def torch_transformer() -> nn.Module:
     return nn.Transformer(32, 4, 2, 2, 64, dropout=0.0, batch_first=True)
 
 
-def gpt2() -> nn.Module:
+def gpt2(layers: int = 2) -> nn.Module:
     """transformers' GPT2LMHeadModel (tied head, Conv1D layers, its own `_init_weights`), tiny, without dropout
     (a training forward then equals transformers' own inference forward)."""
     import transformers
 
     config = transformers.GPT2Config(
-        n_layer=2,
+        n_layer=layers,
         n_embd=32,
         n_head=2,
         vocab_size=64,
@@ -109,12 +109,12 @@ def gpt2() -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
-def llama(tie: bool = True) -> nn.Module:
+def llama(tie: bool = True, layers: int = 2) -> nn.Module:
     """transformers' LlamaForCausalLM, tiny, with or without `tie_word_embeddings`."""
     import transformers
 
     config = transformers.LlamaConfig(
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         hidden_size=32,
         intermediate_size=64,
         num_attention_heads=4,

@@ -221,6 +221,7 @@ def apply_parallelism(
     mesh: Any = None,
     tp_plan: TPPlan | None = None,
     stage: int = 0,
+    pp_chunks: int = 1,
     init: InitTrace | None = None,
     seed: int = 0,
     pretrained: Any = None,
@@ -234,7 +235,8 @@ def apply_parallelism(
     device, or a real one); call once in every worker. `dims` may be a plain world size (dp only).
 
     A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`); for pp > 1 the rank keeps pipeline stage
-    `stage` (`raytrain.parallel.pipeline.keep_stage`) and for tp > 1 `tp_plan` (module-name patterns ->
+    `stage` (`raytrain.parallel.pipeline.keep_stage`; `pp_chunks` model chunks of it under the interleaved
+    schedule) and for tp > 1 `tp_plan` (module-name patterns ->
     "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model
     (`raytrain.model_init.record_build`, whose trace is `init`) is materialized on `device` and initialised from
     `init` and `seed` after sharding, so each rank only ever allocates its shard (plus one tensor's full value
@@ -255,7 +257,7 @@ def apply_parallelism(
     # a tied parameter's other names in the whole model: the weights may hold it under a name this stage lacks
     aliases = tie_aliases(model)
     if dims.pp > 1:
-        line = keep_stage(model, stage, dims.pp)
+        line = keep_stage(model, stage, dims.pp, pp_chunks)
         if log is not None:
             log(line)
     resolved: dict[str, str] = {}
@@ -313,12 +315,13 @@ def step_policy(
     coords: Coords | None = None,
     ties: Sequence[StageTie] = (),
     pp_schedule: str = "gpipe",
+    pp_chunks: int = 1,
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
     `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel; `ties`
     the parameters tied across its pipeline stages (`stage_ties` of the whole model; a collective when not empty:
     one process group per tie and replica, made by every rank in the same order); `pp_schedule` the pipeline's
-    schedule (`raytrain.parallel.pipeline.SCHEDULES`)."""
+    schedule (`raytrain.parallel.pipeline.SCHEDULES`) and `pp_chunks` the model chunks per stage it runs."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
     policy = StepPolicy(
@@ -332,13 +335,11 @@ def step_policy(
         raise ValueError(f"a model-parallel layout ({dims.describe()}) needs its mesh and this rank's coordinates")
     pipeline = None
     if dims.pp > 1:
-        before, after = replace(coords, pp=coords.pp - 1), replace(coords, pp=coords.pp + 1)
         pipeline = Neighbours(
-            previous=dims.rank_of(before) if coords.pp > 0 else None,
-            next=dims.rank_of(after) if coords.pp < dims.pp - 1 else None,
+            ranks=tuple(dims.rank_of(replace(coords, pp=stage)) for stage in range(dims.pp)),
             stage=coords.pp,
-            stages=dims.pp,
             schedule=pp_schedule,
+            chunks=pp_chunks,
         )
     return replace(
         policy,

@@ -107,10 +107,16 @@ def resolved_spec(model_fn: ModelFn, units_fn: UnitsFn | None = None, **sections
 
 
 def check_model_parallel(
-    model_fn: ModelFn, tp: int, pp: int, tp_plan_fn: TPPlanFn | None = None, pp_schedule: str = "gpipe"
+    model_fn: ModelFn,
+    tp: int,
+    pp: int,
+    tp_plan_fn: TPPlanFn | None = None,
+    pp_schedule: str = "gpipe",
+    pp_chunks: int = 1,
 ) -> list[str]:
-    """Driver-side check of a tp x pp layout on the meta model: the pipeline stages can be cut, and the TP plan
-    exists and splits every planned layer evenly, on the whole model and on each stage as a worker applies it.
+    """Driver-side check of a tp x pp layout on the meta model: the pipeline stages (`pp_chunks` chunks each) can
+    be cut, and the TP plan exists and splits every planned layer evenly, on the whole model and on each stage as
+    a worker applies it.
     Returns the lines to log (none for tp = pp = 1); raises `ConfigError` naming the problem."""
     from raytrain.preflight import build_model_for_check
 
@@ -119,13 +125,15 @@ def check_model_parallel(
 
     lines = []
     if tp > 1:
-        stages = (lambda: stage_models(build, pp)) if pp > 1 else None
+        stages = (lambda: stage_models(build, pp, pp_chunks)) if pp > 1 else None
         plan = check_tp_plan(build(), tp_plan_fn, tp, stages)
         lines.append(f"tensor parallel: {len(plan)} linear layers split over tp = {tp} workers of a node")
     if pp > 1:
-        cut = cut_stages(build(), pp)
+        cut = cut_stages(build(), pp * pp_chunks)
+        chunked = f" ({pp_chunks} chunks each)" if pp_chunks > 1 else ""
         lines.append(
-            f"pipeline parallel: {len(cut.units)} units in {pp} stages of {', '.join(f'{n:,}' for n in cut.sizes)} "
-            f"parameters ({cut.how}; {pp_schedule} over the accumulation micro-batches)"
+            f"pipeline parallel: {len(cut.units)} units in {pp} stages{chunked} of "
+            f"{', '.join(f'{n:,}' for n in cut.rank_sizes(pp))} parameters ({cut.how}; {pp_schedule} over the "
+            "accumulation micro-batches)"
         )
     return lines

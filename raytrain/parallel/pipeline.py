@@ -34,7 +34,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -223,7 +223,8 @@ def stage_bounds(param_counts: list[int], stages: int) -> list[tuple[int, int]]:
     owners = [i for i, count in enumerate(param_counts) if count > 0]
     if len(owners) < stages:
         raise ConfigError(
-            f"pp = {stages} needs at least {stages} pipeline units with parameters, the model has {len(owners)}"
+            f"{stages} pipeline stages (pp x pp_chunks) need at least {stages} pipeline units with parameters, the "
+            f"model has {len(owners)}"
         )
     total = sum(param_counts)
     starts = [0]
@@ -270,8 +271,13 @@ class StageCut:
 
     @property
     def sizes(self) -> list[int]:
-        """Parameters per stage."""
+        """Parameters per (virtual) stage."""
         return [sum(self.counts[a:b]) for a, b in self.bounds]
+
+    def rank_sizes(self, stages: int) -> list[int]:
+        """Parameters per pipeline rank when the cut's virtual stages are dealt round-robin to `stages` ranks (the
+        interleaved schedule; with one chunk per rank, `sizes`)."""
+        return [sum(self.sizes[v] for v in range(s, len(self.bounds), stages)) for s in range(stages)]
 
     def stage_of(self, name: str) -> int | None:
         """The stage holding parameter or module `name` (None: on every stage, a module without parameters)."""
@@ -303,20 +309,20 @@ class StageTie:
     names: dict[int, str]
 
 
-def stage_ties(model: nn.Module, stages: int) -> list[StageTie]:
+def stage_ties(model: nn.Module, stages: int, chunks: int = 1) -> list[StageTie]:
     """The tied parameters of the whole `model` whose names fall into different pipeline stages (in
-    `tie_groups` order, the same on every rank)."""
+    `tie_groups` order, the same on every rank); `chunks` model chunks per stage as `keep_stage` cuts them."""
     from raytrain.model_init import tie_groups
 
-    cut = cut_stages(model, stages)
+    cut = cut_stages(model, stages * chunks)
     ties = []
     for group in tie_groups(model):
         names: dict[int, str] = {}
         for name in group:
-            stage = cut.stage_of(name)
-            if stage is None:  # a parameter of the root itself: on every stage
+            virtual = cut.stage_of(name)
+            if virtual is None:  # a parameter of the root itself: on every stage
                 break
-            names.setdefault(stage, name)
+            names.setdefault(virtual % stages, name)
         else:
             if len(names) > 1:
                 ties.append(StageTie(dict(sorted(names.items()))))
@@ -324,12 +330,24 @@ def stage_ties(model: nn.Module, stages: int) -> list[StageTie]:
 
 
 class StageEnds:
-    """Where a stage model's part of the forward begins and ends (module paths; None at the pipeline's ends) and
-    the activation received for the micro-batch in flight (set by `run_stage`)."""
+    """Where a stage model's parts of the forward begin and end, per chunk (module paths; None at the pipeline's
+    ends: `entries[c]` / `exits[c]` for this rank's chunk c, virtual stage `stage + c * stages`), the chunk whose
+    forward is running (`active`, set by `run_stage`; None: all) and the activation received for the micro-batch in
+    flight."""
 
-    def __init__(self, stage: int, entry: str | None, exit: str | None) -> None:
-        self.stage, self.entry, self.exit = stage, entry, exit
+    def __init__(self, stage: int, stages: int, entries: list[str | None], exits: list[str | None]) -> None:
+        self.stage, self.stages, self.entries, self.exits = stage, stages, entries, exits
+        self.active: int | None = None
         self.received: torch.Tensor | None = None
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks this rank holds (1 but for the interleaved schedule)."""
+        return len(self.entries)
+
+    def virtual(self, chunk: int) -> int:
+        """The virtual stage of this rank's chunk `chunk` (its place in the chain of all `stages * chunks`)."""
+        return self.stage + chunk * self.stages
 
 
 _ENDS: weakref.WeakKeyDictionary[nn.Module, StageEnds] = weakref.WeakKeyDictionary()
@@ -365,65 +383,100 @@ class _OnLaterStage(nn.Module):
         raise RuntimeError(f"{self.path} is on the last pipeline stage, not this one ({self.stage})")
 
 
-def keep_stage(model: nn.Module, stage: int, stages: int) -> str:
+def keep_stage(model: nn.Module, stage: int, stages: int, chunks: int = 1) -> str:
     """Keep only stage `stage` of `stages` of `model` (in place, on the meta or real model): the other stages'
     units are dropped under their own names (a block of an `nn.Sequential` becomes `nn.Identity`, one of an
     `nn.ModuleList` is removed from it, an embedding or head is replaced by a stand-in without parameters), so the
-    parameters left keep the names they have in the whole model. Records where the stage's forward begins and ends
+    parameters left keep the names they have in the whole model. With `chunks` > 1 (the interleaved schedule) the
+    model is cut into `stages * chunks` virtual stages and the rank keeps `stage`, `stage + stages`, ...; a
+    forward runs one chunk's blocks at a time (`run_stage`). Records where each chunk's forward begins and ends
     (`stage_ends`). Returns one line for the log naming the stage's units."""
-    cut = cut_stages(model, stages)
-    start, end = cut.bounds[stage]
+    virtual = stages * chunks
+    cut = cut_stages(model, virtual)
+    mine = [stage + c * stages for c in range(chunks)]
     ends = StageEnds(
         stage,
-        cut.units[start].anchor if stage > 0 else None,
-        cut.units[end - 1].anchor if stage < stages - 1 else None,
+        stages,
+        [cut.units[cut.bounds[v][0]].anchor if v > 0 else None for v in mine],
+        [cut.units[cut.bounds[v][1] - 1].anchor if v < virtual - 1 else None for v in mine],
     )
+    chunk_of = {position: c for c, v in enumerate(mine) for position in range(*cut.bounds[v])}
+    first_kept = cut.bounds[mine[0]][0]
     for position, unit in enumerate(cut.units):
-        if start <= position < end:
-            continue
         for path in unit.paths:
             parent_path, _, attr = path.rpartition(".")
             parent = model.get_submodule(parent_path)
+            blocks = isinstance(parent, nn.Sequential | nn.ModuleList)
+            if position in chunk_of:
+                if chunks > 1 and blocks:
+                    _mark_chunk(parent, attr, chunk_of[position], ends)
+                continue
             if isinstance(parent, nn.Sequential):
                 parent._modules[attr] = nn.Identity()
             elif isinstance(parent, nn.ModuleList):
                 del parent._modules[attr]
-                _count_kept_blocks(parent)
+                _mark_chunk(parent, None, 0, ends)
             elif path == unit.anchor:
                 raise ConfigError(f"pipeline block {path} must sit in an nn.ModuleList or nn.Sequential")
-            elif position < start:
+            elif position < first_kept:
                 setattr(parent, attr, _FromPreviousStage(ends, path))
             else:
                 setattr(parent, attr, _OnLaterStage(path, stage))
     _ENDS[model] = ends
-    names = [unit.anchor for unit in cut.units[start:end]]
+    runs = [f"{cut.units[cut.bounds[v][0]].anchor}..{cut.units[cut.bounds[v][1] - 1].anchor}" for v in mine]
+    sizes = cut.rank_sizes(stages)
+    interleaved = f" in {chunks} chunks" if chunks > 1 else ""
     return (
-        f"pipeline stage {stage} of {stages}: units {names[0]}..{names[-1]} ({cut.sizes[stage]:,} parameters;"
-        f" stages {', '.join(f'{n:,}' for n in cut.sizes)}, {cut.how})"
+        f"pipeline stage {stage} of {stages}{interleaved}: units {', '.join(runs)} ({sizes[stage]:,} parameters;"
+        f" stages {', '.join(f'{n:,}' for n in sizes)}, {cut.how})"
     )
 
 
 class KeptBlocks:
-    """Mixed into a stage's `nn.ModuleList` of blocks, which holds only the stage's blocks under their names in
-    the whole model ("2", "3"): an integer index counts the kept blocks (a forward reading `self.layers[0]`, as
-    `nn.TransformerEncoder` does for its settings, gets the stage's first block); slices and iteration already
-    run over the kept ones."""
+    """Mixed into a stage's `nn.ModuleList` or `nn.Sequential` of blocks, which holds only the stage's blocks
+    under their names in the whole model ("2", "3"): iteration, an integer index and `len` count the kept blocks
+    of the chunk whose forward runs (all kept blocks outside `run_stage`, or with one chunk): a forward reading
+    `self.layers[0]`, as `nn.TransformerEncoder` does for its settings, gets the running chunk's first block. The
+    module tree (`children()`, `state_dict()`) keeps every block, so FSDP, checkpoints and the optimizer see them
+    all."""
+
+    _chunk_of: dict[str, int]
+    _stage_ends: StageEnds
+
+    def _running(self) -> list[nn.Module]:
+        items = self._modules.items()  # type: ignore[attr-defined]
+        active = self._stage_ends.active
+        return [m for key, m in items if active is None or self._chunk_of.get(key, active) == active]
+
+    def __iter__(self) -> Any:
+        return iter(self._running())
+
+    def __len__(self) -> int:
+        return len(self._running())
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, int):
-            return list(self._modules.values())[index]  # type: ignore[attr-defined]
+            return self._running()[index]
+        if isinstance(index, slice):
+            return nn.ModuleList(self._running()[index])
         return super().__getitem__(index)  # type: ignore[misc]
 
 
 _KEPT_CLASSES: dict[type, type] = {}
 
 
-def _count_kept_blocks(blocks: nn.ModuleList) -> None:
+def _mark_chunk(blocks: nn.Module, key: str | None, chunk: int, ends: StageEnds) -> None:
+    """Make `blocks` a `KeptBlocks` container of `ends`' stage and record that its entry `key` (None: none)
+    belongs to chunk `chunk`."""
     cls = type(blocks)
     if not issubclass(cls, KeptBlocks):
         if cls not in _KEPT_CLASSES:
             _KEPT_CLASSES[cls] = type(f"Stage{cls.__name__}", (KeptBlocks, cls), {})
         blocks.__class__ = _KEPT_CLASSES[cls]
+        object.__setattr__(blocks, "_chunk_of", {})
+        object.__setattr__(blocks, "_stage_ends", ends)
+    if key is not None:
+        cast(KeptBlocks, blocks)._chunk_of[key] = chunk
 
 
 def stage_ends(model: nn.Module) -> StageEnds:
@@ -434,13 +487,13 @@ def stage_ends(model: nn.Module) -> StageEnds:
     return ends
 
 
-def stage_models(build: Callable[[], nn.Module], stages: int) -> list[nn.Module]:
+def stage_models(build: Callable[[], nn.Module], stages: int, chunks: int = 1) -> list[nn.Module]:
     """Every stage as a worker holds it: `build()` (e.g. on the meta device) with `keep_stage` applied, per stage
     (for the driver's checks)."""
     models = []
     for stage in range(stages):
         model = build()
-        keep_stage(model, stage, stages)
+        keep_stage(model, stage, stages, chunks)
         models.append(model)
     return models
 
@@ -474,17 +527,19 @@ def _first_tensor(value: Any) -> torch.Tensor:
 
 
 def run_stage(
-    model: nn.Module, loss_fn: LossFn, batch: Batch, received: torch.Tensor | None, last: bool
+    model: nn.Module, loss_fn: LossFn, batch: Batch, received: torch.Tensor | None, chunk: int = 0
 ) -> torch.Tensor:
-    """One micro-batch through this rank's stage: `loss_fn(model, batch)` as in any other layout, with the stage's
-    first block fed `received` (the previous stage's output; None on the first stage) and, unless `last`, the
-    forward stopped after the stage's last block. Returns the per-sample losses on the last stage, else the
-    activation to send on. Every stage reads the same micro-batch, so the model's own forward computes its masks
-    and positions on each stage."""
+    """One micro-batch through this rank's stage (its chunk `chunk` under the interleaved schedule):
+    `loss_fn(model, batch)` as in any other layout, with the chunk's first block fed `received` (the previous
+    virtual stage's output; None on the first) and, unless the chunk ends the pipeline, the forward stopped after
+    its last block. Returns the per-sample losses on the last virtual stage, else the activation to send on. Every
+    stage reads the same micro-batch, so the model's own forward computes its masks and positions on each stage."""
     ends = stage_ends(model)
+    entry_path, exit_path = ends.entries[chunk], ends.exits[chunk]
+    last = exit_path is None
     handles = []
     if received is not None:
-        if ends.entry is None:
+        if entry_path is None:
             raise ValueError("the first pipeline stage receives no activation")
 
         def feed(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -492,24 +547,21 @@ def run_stage(
                 return (received, *args[1:]), kwargs
             if "hidden_states" in kwargs:
                 return args, {**kwargs, "hidden_states": received}
-            raise ValueError(f"pipeline block {ends.entry} was called without a positional input or hidden_states")
+            raise ValueError(f"pipeline block {entry_path} was called without a positional input or hidden_states")
 
-        entry = model.get_submodule(ends.entry)
+        entry = model.get_submodule(entry_path)
         handles.append(entry.register_forward_pre_hook(_eager(feed), prepend=True, with_kwargs=True))
     # the modules whose forward the stop interrupts: the exit block's ancestors, innermost first (the root last)
     interrupted: list[str] = []
-    if not last and ends.exit is not None:
-        parts = ends.exit.split(".")
-        interrupted = [".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)] + [""]
     called: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-    if not last:
-        if ends.exit is None:
-            raise ValueError("the last pipeline stage sends no activation")
+    if exit_path is not None:
+        parts = exit_path.split(".")
+        interrupted = [".".join(parts[:n]) for n in range(len(parts) - 1, 0, -1)] + [""]
 
         def stop(_module: nn.Module, _args: Any, output: Any) -> None:
             raise _StageOutput(_first_tensor(output))
 
-        handles.append(model.get_submodule(ends.exit).register_forward_hook(_eager(stop)))
+        handles.append(model.get_submodule(exit_path).register_forward_hook(_eager(stop)))
         for path in interrupted:
 
             def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], path: str = path) -> None:
@@ -517,6 +569,7 @@ def run_stage(
 
             handles.append(model.get_submodule(path).register_forward_pre_hook(_eager(record), with_kwargs=True))
     ends.received = received
+    ends.active = chunk if ends.chunks > 1 else None
     try:
         losses = loss_fn(model, batch)
     except _StageOutput as stopped:
@@ -526,13 +579,13 @@ def run_stage(
                 output = _finish_forward(model.get_submodule(path), *called[path], output)
         return output
     finally:
-        ends.received = None
+        ends.received = ends.active = None
         for handle in handles:
             handle.remove()
     if not last:
         raise ValueError(
-            f"loss_fn returned without the forward reaching {ends.exit}, the last block of pipeline stage "
-            f"{ends.stage}: loss_fn must call the model once"
+            f"loss_fn returned without the forward reaching {exit_path}, the last block of pipeline stage "
+            f"{ends.virtual(chunk)}: loss_fn must call the model once"
         )
     return losses
 
@@ -560,46 +613,91 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def chain_stages(models: list[nn.Module], loss_fn: LossFn, batch: Batch) -> torch.Tensor:
-    """Pure torch, one process: `batch` through the stage models (`stage_models`) one after another, as the
-    pipeline runs them; the per-sample losses of the last stage (the driver's check that a split computes the
-    whole model's losses)."""
+    """Pure torch, one process: `batch` through the stage models (`stage_models`) one virtual stage after another,
+    as the pipeline runs them; the per-sample losses of the last stage (the driver's check that a split computes
+    the whole model's losses)."""
     received: torch.Tensor | None = None
-    for stage, model in enumerate(models):
-        received = run_stage(model, loss_fn, batch, received, stage == len(models) - 1)
+    chunks = stage_ends(models[0]).chunks
+    for virtual in range(len(models) * chunks):
+        received = run_stage(models[virtual % len(models)], loss_fn, batch, received, virtual // len(models))
     assert received is not None
     return received
 
 
 @dataclass(frozen=True)
 class Neighbours:
-    """A stage's place in its replica's pipeline: the global ranks before and after it (None at the ends), its
-    index among the `stages`, and the schedule the pipeline runs (`SCHEDULES`)."""
+    """A stage's place in its replica's pipeline: the global ranks of the replica's stages in order (`ranks`), its
+    index among them, the schedule the pipeline runs (`SCHEDULES`) and the model chunks each stage holds (> 1 for
+    the interleaved schedule, whose last stage sends to the first)."""
 
-    previous: int | None
-    next: int | None
+    ranks: tuple[int, ...]
     stage: int = 0
-    stages: int = 2
     schedule: str = "gpipe"
+    chunks: int = 1
+
+    @property
+    def stages(self) -> int:
+        """Stages of the pipeline (pp)."""
+        return len(self.ranks)
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+Op = tuple[str, int, int]  # ("F" forward | "B" backward, micro-batch, chunk)
 
 
-def schedule_order(schedule: str, stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
-    """Pure: the order in which stage `stage` of `stages` runs the forwards ("F", j) and backwards ("B", j) of
-    `micro` micro-batches. "gpipe": every forward, then every backward (last first): all `micro` micro-batches'
-    activations are held at once. "1f1b": `stages - stage - 1` forwards fill the pipeline, then a forward and a
-    backward in turn, then the remaining backwards: at most `stages - stage` micro-batches are in flight on a stage,
-    whatever `micro` is (the same bubble as GPipe, less memory). `ValueError` for another schedule."""
-    if schedule == "gpipe":
-        return [("F", j) for j in range(micro)] + [("B", j) for j in reversed(range(micro))]
-    if schedule != "1f1b":
+def _rounds(micro: int, stages: int) -> list[range]:
+    """Pure: the interleaved schedule's rounds, consecutive micro-batches that pass through one chunk before the
+    next chunk starts: max(1, micro // stages) rounds of near-equal size, each at least `stages` long when there
+    are that many micro-batches, so a micro-batch's activation is back at the first stage for the next chunk when
+    that chunk starts it."""
+    count = max(1, micro // stages)
+    sizes = [micro // count + (1 if r < micro % count else 0) for r in range(count)]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [range(a, b) for a, b in itertools.pairwise(starts)]
+
+
+def schedule_order(schedule: str, stage: int, stages: int, micro: int, chunks: int = 1) -> list[Op]:
+    """Pure: the order in which stage `stage` of `stages` runs the forwards ("F", j, c) and backwards ("B", j, c) of
+    `micro` micro-batches through its `chunks` model chunks. "gpipe": every forward, then every backward (last
+    first): all `micro` micro-batches' activations are held at once. "1f1b": `stages - stage - 1` forwards fill the
+    pipeline, then a forward and a backward in turn, then the remaining backwards: at most `stages - stage`
+    micro-batches are in flight on a stage, whatever `micro` is (the same bubble as GPipe, less memory).
+    "interleaved_1f1b" (Megatron's): each stage holds `chunks` >= 2 chunks (virtual stages `stage`, `stage +
+    stages`, ...); forwards go round by round (`_rounds`) through chunk 0, 1, ..., backwards through the chunks in
+    reverse, with `2 (stages - stage - 1) + (chunks - 1) * round` forwards before the first backward: the bubble
+    shrinks by about `chunks`, for more activations in flight. `ValueError` for another schedule or a chunk count
+    the schedule does not take (1 but for the interleaved schedule)."""
+    if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    warmup = min(stages - stage - 1, micro)
-    order = [("F", j) for j in range(warmup)]
-    for i in range(micro - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", j) for j in range(micro - warmup, micro)]
+    interleaved = schedule == "interleaved_1f1b"
+    if (chunks >= 2) != interleaved:
+        runs = ">= 2 chunks" if interleaved else "1 chunk"
+        raise ValueError(f"the {schedule} schedule runs {runs} per stage, got {chunks}")
+    if schedule == "gpipe":
+        return [("F", j, 0) for j in range(micro)] + [("B", j, 0) for j in reversed(range(micro))]
+    rounds = _rounds(micro, stages)
+    forwards = [("F", j, c) for r in rounds for c in range(chunks) for j in r]
+    backwards = [("B", j, c) for r in rounds for c in reversed(range(chunks)) for j in r]
+    warmup = 2 * (stages - stage - 1) + (chunks - 1) * len(rounds[0]) if interleaved else stages - stage - 1
+    warmup = min(warmup, len(forwards))
+    order = forwards[:warmup]
+    for forward, backward in zip(forwards[warmup:], backwards, strict=False):
+        order += [forward, backward]
+    return order + backwards[len(forwards) - warmup :]
+
+
+def sent_messages(orders: list[list[Op]], stages: int, chunks: int, src: int, dst: int) -> list[tuple[str, int, int]]:
+    """Pure: the messages stage `src` sends stage `dst`, in the order it sends them, when every stage runs its
+    order in `orders`: ("F", v, j) the output of virtual stage v for micro-batch j, ("B", v, j) the gradient of
+    v's input. (Two stages exchange activations one way and gradients the other; with 2 stages, or the interleaved
+    schedule's wrap from the last stage to the first, both kinds share one way, in the sender's order.)"""
+    virtual, sent = stages * chunks, []
+    for kind, j, c in orders[src]:
+        v = src + c * stages
+        to = v + 1 if kind == "F" else v - 1
+        if 0 <= to < virtual and to % stages == dst:
+            sent.append((kind, v, j))
+    return sent
 
 
 @dataclass
@@ -644,6 +742,26 @@ def _recv(src: int, device: torch.device, stats: PipelineStats | None = None) ->
     return tensor
 
 
+class _Inbox:
+    """This stage's receives: messages arrive from each neighbour in the order it sent them (`sent_messages`), so
+    one asked for ahead of its turn is received after those sent before it, which wait here until asked for (NCCL
+    matches sends and receives between two ranks in order, whatever their tags)."""
+
+    def __init__(self, expected: dict[int, list[tuple[str, int, int]]], device: torch.device, stats: Any) -> None:
+        self.expected = {src: iter(keys) for src, keys in expected.items()}
+        self.device, self.stats = device, stats
+        self.waiting: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def take(self, src: int, rank: int, key: tuple[str, int, int]) -> torch.Tensor:
+        """The message `key` from stage `src` (global rank `rank`)."""
+        while key not in self.waiting:
+            following = next(self.expected[src], None)
+            if following is None:
+                raise RuntimeError(f"pipeline stage {src} sends no message {key}: the stages' schedules disagree")
+            self.waiting[following] = _recv(rank, self.device, self.stats)
+        return self.waiting.pop(key)
+
+
 def pipeline_step(
     stage: nn.Module,
     micro_batches: list[Batch],
@@ -654,37 +772,49 @@ def pipeline_step(
     sync: Callable[[bool], contextlib.AbstractContextManager[None]] | None = None,
     backward: bool = True,
     autocast_dtype: torch.dtype | None = None,
-    seeds: Callable[[int], None] | None = None,
+    seeds: Callable[[int, int], None] | None = None,
     stats: PipelineStats | None = None,
 ) -> float:
     """Run this stage's part of one optimizer step's micro-batches through the pipeline in the order of its
     schedule (`neighbours.schedule`, `schedule_order`; collective over the replica's stages: each must call it with
-    the same micro-batch count). The last stage computes `loss_fn(model, batch)`, sums it and backpropagates
-    sum x `scale`; every stage accumulates its gradients. Returns the summed per-sample loss on the last stage,
-    0.0 elsewhere.
+    the same micro-batch count). The last virtual stage computes `loss_fn(model, batch)`, sums it and
+    backpropagates sum x `scale`; every stage accumulates its gradients. Returns the summed per-sample loss on the
+    last stage, 0.0 elsewhere.
     `sync(last)` is entered around each backward (`last`: the step's final backward, where gradients
-    synchronise). `backward=False`: forwards only (evaluation). `autocast_dtype`: forwards (and the loss) under
-    `torch.autocast` in that dtype (bf16 without FSDP). `seeds(j)`: called before micro-batch j's forward
-    (`raytrain.rng.MicroBatchSeeds`). `stats`: adds this step's waits and time (`PipelineStats`). Sends do not
-    block (only receives wait), so a stage never waits on a neighbour that waits on it."""
+    synchronise). `backward=False`: forwards only (evaluation). `autocast_dtype`: forwards (and the
+    loss) under `torch.autocast` in that dtype (bf16 without FSDP). `seeds(j, v)`: called before micro-batch j's
+    forward through virtual stage v (`raytrain.rng.MicroBatchSeeds`). `stats`: adds this step's waits and time
+    (`PipelineStats`). Sends do not block (only receives wait), so a stage never waits on a neighbour that waits on
+    it."""
     started = time.perf_counter()
-    first, last = neighbours.previous is None, neighbours.next is None
-    order = schedule_order(neighbours.schedule, neighbours.stage, neighbours.stages, len(micro_batches))
-    if not backward:
-        order = [("F", j) for j in range(len(micro_batches))]
-    final = next((j for kind, j in reversed(order) if kind == "B"), None)
-    stored: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+    stages, here, chunks = neighbours.stages, neighbours.stage, neighbours.chunks
+    virtual, micro = stages * chunks, len(micro_batches)
+    if backward:
+        orders = [schedule_order(neighbours.schedule, s, stages, micro, chunks) for s in range(stages)]
+    else:
+        forwards = [("F", j, c) for r in _rounds(micro, stages) for c in range(chunks) for j in r]
+        orders = [forwards] * stages
+    before, after = (here - 1) % stages, (here + 1) % stages
+    inbox = _Inbox(
+        {src: sent_messages(orders, stages, chunks, src, here) for src in {before, after} if src != here},
+        device,
+        stats,
+    )
+    # the step's last backward syncs: FSDP2's final callback then reduces every unit, also another chunk's whose
+    # last backward ran before
+    final = next(((j, c) for kind, j, c in reversed(orders[here]) if kind == "B"), None)
+    stored: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     sends: list[Any] = []
     local_sum = 0.0
-    for kind, j in order:
+    for kind, j, c in orders[here]:
+        v = here + c * stages
         if kind == "F":
             batch = micro_batches[j]
             if seeds is not None:
-                seeds(j)
+                seeds(j, v)
             inputs = None
-            if not first:
-                assert neighbours.previous is not None
-                inputs = _recv(neighbours.previous, device, stats)
+            if v > 0:
+                inputs = inbox.take(before, neighbours.ranks[before], ("F", v - 1, j))
                 if backward and inputs.is_floating_point():
                     inputs.requires_grad_(True)
             autocast = (
@@ -693,29 +823,27 @@ def pipeline_step(
                 else contextlib.nullcontext()
             )
             with autocast:
-                result = run_stage(stage, loss_fn, batch, inputs, last)
-            if last:
+                result = run_stage(stage, loss_fn, batch, inputs, c)
+            if v == virtual - 1:
                 check_losses(result, batch)
                 local_sum += float(result.detach().float().sum())
                 result = widen(result).sum() * scale
             else:
-                assert neighbours.next is not None
-                sends += _send(result.detach(), neighbours.next)
+                sends += _send(result.detach(), neighbours.ranks[after])
             if backward:
-                stored[j] = (inputs, result)
+                stored[j, c] = (inputs, result)
                 if stats is not None:
                     stats.most_in_flight = max(stats.most_in_flight, len(stored))
             continue
-        received, result = stored.pop(j)
-        with sync(j == final) if sync is not None else contextlib.nullcontext():
-            if last:
+        received, result = stored.pop((j, c))
+        with sync((j, c) == final) if sync is not None else contextlib.nullcontext():
+            if v == virtual - 1:
                 result.backward()
             else:
-                assert neighbours.next is not None
-                result.backward(_recv(neighbours.next, device, stats))
-        if received is not None and neighbours.previous is not None:
+                result.backward(inbox.take(after, neighbours.ranks[after], ("B", v + 1, j)))
+        if received is not None:
             grad = received.grad if received.grad is not None else torch.zeros_like(received)
-            sends += _send(grad, neighbours.previous)
+            sends += _send(grad, neighbours.ranks[before])
     for work, _buffer in sends:
         work.wait()
     if stats is not None:

@@ -131,6 +131,7 @@ def resolve_layout(
     local_workers: int = 1,
     units_fn: UnitsFn | None = None,
     stages: int = 1,
+    chunks: int = 1,
 ) -> Layout:
     """`choose_layout` for `model` (meta or real, whole) on this worker group; a collective when anything is
     "auto" (the smallest worker's memory decides, so every rank resolves the same layout). `world_size` is the dp
@@ -146,7 +147,7 @@ def resolve_layout(
     if stages > 1:  # the heaviest stage as the ranks cut it (frozen parameters included: an upper bound)
         from raytrain.parallel.pipeline import cut_stages
 
-        num_params = max(cut_stages(model, stages).sizes)
+        num_params = max(cut_stages(model, stages * chunks).rank_sizes(stages))
     return choose_layout(
         strategy,
         grad_accumulation,
