@@ -236,6 +236,11 @@ class ParallelConfig:
         pp_chunks: model chunks per pipeline stage (interleaved_1f1b only; default 2 there, 1 otherwise): the
             model is cut into pp * pp_chunks virtual stages and worker s holds s, s + pp, ...; needs at least that
             many blocks.
+        sequence_parallel: with tp > 1, cut the activations between the split layers (residual stream, norms,
+            dropout) along the sequence over the tp ranks (Megatron-SP: `raytrain.parallel.sequence`): their memory
+            falls by tp, for an all-gather and a reduce-scatter per split pair in place of an all-reduce. Needs the
+            model's block list (a transformers decoder, or `pipeline_split()`) with each block's colwise layers in a
+            submodule (attention, MLP), and a sequence length divisible by tp.
         device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
         workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
     """
@@ -249,6 +254,7 @@ class ParallelConfig:
     pp: int | Literal["auto"] = 1
     pp_schedule: str = "gpipe"
     pp_chunks: int | None = None
+    sequence_parallel: bool = False
     device_memory_gb: float | None = None
     workers_per_node: int | None = None
 
@@ -289,9 +295,11 @@ class ParallelConfig:
                     f"pp_chunks={self.pp_chunks} needs pp_schedule 'interleaved_1f1b' (the {self.pp_schedule} "
                     "schedule runs one chunk per stage)"
                 )
-        for name in ("activation_checkpointing", "compile"):
+        for name in ("activation_checkpointing", "compile", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel cuts the activations over the tp ranks: it needs tp > 1, got tp = 1")
 
     @property
     def chunks(self) -> int:

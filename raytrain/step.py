@@ -31,6 +31,7 @@ from raytrain.parallel.apply import (
     tied_gradients,
 )
 from raytrain.parallel.pipeline import check_losses, pipeline_step, widen
+from raytrain.parallel.sequence import sum_sequence_gradients
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -195,6 +196,8 @@ class Step:
             all_reduce_gradients(model.parameters(), policy.dp_group, self.replicas)
         if policy.stage_ties:
             tied_gradients(model, policy)
+        if policy.sequence_group is not None:
+            sum_sequence_gradients(model, policy.sequence_group)
         fault_point("optimizer")
         if scaler is not None:
             scaler.unscale_(optimizer)

@@ -560,7 +560,12 @@ class ElasticTrainer:
         if self.layout_reason:
             say(self.layout_reason)
         for line in check_model_parallel(
-            self.model_fn, *spec.parallel.degrees, self.tp_plan_fn, spec.parallel.pp_schedule, spec.parallel.chunks
+            self.model_fn,
+            *spec.parallel.degrees,
+            self.tp_plan_fn,
+            spec.parallel.pp_schedule,
+            spec.parallel.chunks,
+            spec.parallel.sequence_parallel,
         ):
             say(line)
         if spec.parallel.degrees[1] > 1:

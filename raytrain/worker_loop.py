@@ -382,6 +382,7 @@ def start_run(job: WorkerJob) -> Run:
         tp_plan=tp_plan,
         stage=coords.pp,
         pp_chunks=parallel.chunks,
+        sequence_parallel=parallel.sequence_parallel,
         init=trace,
         seed=spec.loop.seed,
         pretrained=pretrained,
@@ -401,6 +402,7 @@ def start_run(job: WorkerJob) -> Run:
         ties,
         parallel.pp_schedule,
         parallel.chunks,
+        parallel.sequence_parallel,
     )
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)

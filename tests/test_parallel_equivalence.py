@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from user_models import gpt2, llama
+from user_models import DropoutDecoder, gpt2, llama
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.materialized import rank_micro_batches
@@ -75,11 +75,19 @@ class Case:
     schedule: str = "gpipe"  # the pipeline's schedule (pp > 1)
     model: str = "gpt"  # "gpt": the toy GPT on tokens; "blocks" / "mlp": the block MLP / the demo's MLP
     # (nn.Sequential) on regression data; "llama" / "gpt2": transformers' models on tokens
+    sp: bool = False  # sequence parallel (tp > 1)
+    checkpointing: bool = False  # activation checkpointing per block
 
     @property
     def name(self) -> str:
         name = f"w{self.world}-tp{self.tp}-pp{self.pp}-{self.model}-{self.strategy}-m{self.cap}-{self.optimizer}"
-        return name + ("" if self.schedule == "gpipe" else f"-{self.schedule}") + ("-wrong" if self.wrong_scale else "")
+        name += "" if self.schedule == "gpipe" else f"-{self.schedule}"
+        return (
+            name
+            + ("-sp" if self.sp else "")
+            + ("-ac" if self.checkpointing else "")
+            + ("-wrong" if self.wrong_scale else "")
+        )
 
     @property
     def chunks(self) -> int:
@@ -97,6 +105,12 @@ CASES = {
         # Llama by its base_model_pp_plan, GPT-2 by name; each ties its embedding to its head across the stages.
         # Interleaved: each stage holds two of the four blocks (0 and 2, 1 and 3), the last sends to the first
         Case(2, 1, "ddp", cap=3, pp=2, model="tied_gpt", optimizer="adamw_ndim"),
+        # transformers' Llama split Megatron-style (attention heads, MLP columns), then sequence parallel: the
+        # residual stream and norms hold half the positions per tp rank (with checkpointing: the recompute
+        # replays the split)
+        Case(2, 2, "ddp", cap=3, model="llama", optimizer="adamw_ndim"),
+        Case(2, 2, "ddp", cap=3, model="llama", optimizer="adamw_ndim", sp=True),
+        Case(2, 2, "ddp", cap=3, model="llama", optimizer="adamw_ndim", sp=True, checkpointing=True),
         *(
             Case(2, 1, "ddp", cap=3, pp=2, model=model, optimizer="adamw_ndim", schedule=schedule)
             for model in ("llama", "gpt2")
@@ -129,6 +143,9 @@ CASES = {
             for model, strategy, cap in (("llama", "ddp", 2), ("gpt2", "zero2", 2))
             for schedule in ("gpipe", "1f1b", "interleaved_1f1b")
         ),
+        # sequence parallel with FSDP2 on dp, and across pipeline stages (each stage cuts and joins the sequence)
+        Case(4, 2, "zero3", cap=2, model="llama", optimizer="adamw_ndim", sp=True),
+        Case(4, 2, "ddp", cap=3, pp=2, model="llama", optimizer="adamw_ndim", sp=True),
         # interleaved under FSDP2: the step's last backward (chunk 0's) also reduces chunk 1's blocks
         Case(4, 1, "zero3", cap=2, pp=2, model="llama", optimizer="adamw_ndim", schedule="interleaved_1f1b"),
         Case(4, 1, "zero3", cap=1, pp=2, model="tied_gpt", optimizer="adamw_ndim", schedule="1f1b"),  # k = 4
@@ -203,6 +220,12 @@ TP_PLANS = {
     "tied_gpt": lambda model: model.tp_plan(),
     "blocks": block_mlp_tp_plan,
     "mlp": mlp_tp_plan,
+    "llama": lambda model: {
+        **{f"model.layers.*.self_attn.{name}_proj": "colwise" for name in "qkv"},
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        **{f"model.layers.*.mlp.{name}_proj": "colwise" for name in ("gate", "up")},
+        "model.layers.*.mlp.down_proj": "rowwise",
+    },
 }
 
 
@@ -291,12 +314,16 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
         tp_plan=plan,
         stage=coords.pp,
         pp_chunks=case.chunks,
+        sequence_parallel=case.sp,
+        activation_checkpointing=case.checkpointing,
         init=built.trace,
         seed=0,
     )
     optimizer_fn, max_norm = OPTIMIZERS[case.optimizer]
     optimizer = build_optimizer(model, optimizer_fn, LR, case.strategy)
-    policy = step_policy(case.strategy, dims, "fp32", "unsharded", mesh, coords, ties, case.schedule, case.chunks)
+    policy = step_policy(
+        case.strategy, dims, "fp32", "unsharded", mesh, coords, ties, case.schedule, case.chunks, case.sp
+    )
     batch_plan = plan_batch(GLOBAL_BATCH, case.cap, dims.dp)
     replica = coords.dp
     columns = _columns(case.model)
@@ -309,15 +336,18 @@ def _run_case(case: Case, rank: int) -> dict[str, torch.Tensor]:
     return {name: _full(p) for name, p in unwrap(model).named_parameters(remove_duplicate=False)}
 
 
-def _tp_dropout(rank: int, world: int, checkpointing: bool = False) -> dict[str, object]:
+def _tp_dropout(rank: int, world: int, checkpointing: bool = False, sp: bool = False) -> dict[str, object]:
     """tp 2 at dp = world / 2: the toy GPT with dropout trains STEPS steps of 8 samples in micro-batches of 2 (dp 1
     cuts 2+2+2+2, dp 2 cuts 2+2 | 2+2: the same micro-batches), each seeded as the worker loop seeds it. Returns
     the full parameters and block 0's first dropout masks: inside the split MLP (this rank's hidden units) and on
-    the residual branch (whole on every tp rank). `checkpointing`: each block recomputed in the backward."""
+    the residual branch (whole on every tp rank). `checkpointing`: each block recomputed in the backward. `sp`:
+    sequence parallel, on a decoder that holds its attention and MLP in modules (`DropoutDecoder`): the residual
+    branch holds this rank's half of the positions."""
     dims = ParallelDims.of(world, tp=2)
     mesh, coords, cpu = dims.build_mesh("cpu"), dims.coords(rank), torch.device("cpu")
-    built = record_build(lambda: GPT(**SHAPE, dropout=0.3).to(torch.float64))
-    plan = resolve_plan(built.model, TP_PLANS["gpt"](built.model), dims.tp)
+    build = (lambda: DropoutDecoder().to(torch.float64)) if sp else (lambda: GPT(**SHAPE, dropout=0.3).double())
+    built = record_build(build)
+    plan = resolve_plan(built.model, built.model.tp_plan(), dims.tp)
     model = apply_parallelism(
         built.model,
         "ddp",
@@ -328,16 +358,17 @@ def _tp_dropout(rank: int, world: int, checkpointing: bool = False) -> dict[str,
         init=built.trace,
         seed=0,
         activation_checkpointing=checkpointing,
+        sequence_parallel=sp,
     )
     masks: dict[str, torch.Tensor] = {}
-    for name in ("hidden_drop", "resid_drop"):
+    for name in ("mlp.hidden_drop" if sp else "hidden_drop", "resid_drop"):
 
         def record(_module: nn.Module, _inputs: object, out: torch.Tensor, name: str = name) -> None:
-            masks.setdefault(name, (out == 0).clone())
+            masks.setdefault(name.rpartition(".")[2], (out == 0).clone())
 
         unwrap(model).blocks[0].get_submodule(name).register_forward_hook(record)
     optimizer = build_optimizer(model, sgd, LR, "ddp")
-    policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, [])
+    policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, [], sequence_parallel=sp)
     batch_plan = plan_batch(8, 2, dims.dp)
     columns = _columns("gpt")
     for step in range(STEPS):
@@ -350,6 +381,14 @@ def _tp_dropout(rank: int, world: int, checkpointing: bool = False) -> dict[str,
     return {"params": params, "masks": masks, "tp": coords.tp, "dp": coords.dp}
 
 
+DROPOUT_RUNS = [  # key, activation checkpointing, sequence parallel
+    ("tp-dropout", False, False),
+    ("tp-dropout-ac", True, False),
+    ("sp-dropout", False, True),
+    ("sp-dropout-ac", True, True),
+]
+
+
 def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
     results: dict[str, dict[str, object]] = {}
     for case in CASES[world]:
@@ -358,9 +397,9 @@ def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
         except Exception:
             results[case.name] = {"params": None, "error": traceback.format_exc()}
         dist.barrier()
-    for key, checkpointing in (("tp-dropout", False), ("tp-dropout-ac", True)):
+    for key, checkpointing, sp in DROPOUT_RUNS:
         try:
-            results[key] = {"result": _tp_dropout(rank, world, checkpointing), "error": None}
+            results[key] = {"result": _tp_dropout(rank, world, checkpointing, sp), "error": None}
         except Exception:
             results[key] = {"result": None, "error": traceback.format_exc()}
     return results
@@ -537,21 +576,27 @@ def test_replicas_with_different_unused_parameters_reduce_the_same_parameters() 
         assert r["reduced"]["c.weight"] is None and r["reduced"]["c.bias"] is None
 
 
-def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_across_dp() -> None:
+@pytest.mark.parametrize("mode", ["tp", "sp"])
+def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_across_dp(mode: str) -> None:
     """Inside a tensor-parallel region (the MLP's hidden units, split over tp) each tp rank draws its own dropout
-    mask; on the residual branch (whole on every tp rank) the ranks draw the same one. tp 2 at dp 2 trains the
-    parameters of tp 2 at dp 1 (the same micro-batches, seeded by their place in the step, not by the rank)."""
-    runs = {world: _tp_dropout_runs(world, "tp-dropout") for world in (2, 4)}
+    mask; on the residual branch (whole on every tp rank) the ranks draw the same one, or, under sequence parallel
+    ("sp": each rank holds half the positions there), each its own. tp 2 at dp 2 trains the parameters of tp 2 at
+    dp 1 (the same micro-batches, seeded by their place in the step, not by the rank)."""
+    runs = {world: _tp_dropout_runs(world, f"{mode}-dropout") for world in (2, 4)}
     tp0, tp1 = runs[2]  # one replica, tp ranks 0 and 1
     assert (tp0["tp"], tp1["tp"]) == (0, 1)
     inside0, inside1 = tp0["masks"]["hidden_drop"], tp1["masks"]["hidden_drop"]
     assert inside0.any() and inside1.any(), "dropout dropped nothing"
     assert inside0.shape == inside1.shape and not torch.equal(inside0, inside1), "tp ranks drew one mask"
-    assert tp0["masks"]["resid_drop"].any()
-    assert torch.equal(tp0["masks"]["resid_drop"], tp1["masks"]["resid_drop"]), "replicated activations diverge"
+    resid0, resid1 = tp0["masks"]["resid_drop"], tp1["masks"]["resid_drop"]
+    assert resid0.any()
+    if mode == "tp":
+        assert torch.equal(resid0, resid1), "replicated activations diverge"
+    else:  # each rank's half of the positions: [n, T / 2, width], its own mask
+        assert resid0.shape[1] == SHAPE["context"] // 2 and not torch.equal(resid0, resid1), "one mask for all"
     worst = _max_param_diff(runs[4][:2], runs[2])  # replica 0 of dp 2 against the one replica of dp 1
-    recomputed = _max_param_diff(_tp_dropout_runs(2, "tp-dropout-ac"), runs[2])
-    print(f"tp 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}; activation checkpointing vs none {recomputed:.3e}")
+    recomputed = _max_param_diff(_tp_dropout_runs(2, f"{mode}-dropout-ac"), runs[2])
+    print(f"{mode} 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}; checkpointing vs none {recomputed:.3e}")
     assert worst < TOLERANCE, worst
     assert recomputed < TOLERANCE, f"the backward's recompute drew other masks: {recomputed}"
 

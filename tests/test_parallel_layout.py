@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from torch import nn
+from user_models import DropoutDecoder
 
 from raytrain.config import (
     BatchConfig,
@@ -18,7 +19,7 @@ from raytrain.config import (
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import GB
 from raytrain.parallel.layout import check_model_parallel, choose_layout, resolve_parallel
-from raytrain.toy import GPT, block_mlp, mlp
+from raytrain.toy import GPT, block_mlp, block_mlp_tp_plan, mlp
 
 # Ψ = 1e9 parameters at 16 bytes each (fp32 parameters and gradients, Adam's two moments), largest unit 2.5e8, on
 # 8 workers: ddp 16 GB, zero1 9 GB, zero2 5.5 GB, zero3 2 GB + a 2 GB gathered working set; tp=4: 8Ψ/4 + 8Ψ/8 = 3 GB;
@@ -104,6 +105,22 @@ def test_one_driver_check_names_the_layout_or_the_problem() -> None:
         check_model_parallel(lambda: nn.Transformer(16, 2, 1, 1, 32), 1, 2)
     with pytest.raises(ConfigError, match=r"tp > 1 needs a tensor-parallel plan for Sequential"):
         check_model_parallel(mlp, 2, 1)
+    # interleaved: the two stages' chunks summed per worker
+    assert check_model_parallel(lambda: GPT(blocks=4), 1, 2, pp_schedule="interleaved_1f1b", pp_chunks=2)[0].startswith(
+        "pipeline parallel: 4 units in 2 stages (2 chunks each) of "
+    )
+    # sequence parallel gathers the input of the modules holding the colwise layers: the toy GPT computes its
+    # attention in the block's own forward, which would see T / tp positions
+    with pytest.raises(ConfigError, match=r"'blocks\.0\.q' sits directly in 'blocks\.0'"):
+        check_model_parallel(GPT, 2, 1, sequence_parallel=True)
+    with pytest.raises(ConfigError, match=r"sequence parallel needs the block list of Sequential"):
+        check_model_parallel(block_mlp, 2, 1, tp_plan_fn=block_mlp_tp_plan, sequence_parallel=True)
+    assert check_model_parallel(DropoutDecoder, 2, 1, sequence_parallel=True)[1] == (
+        "sequence parallel: the blocks blocks hold 1/2 of the positions between the split layers; 4 modules gather "
+        "their input (blocks.0.attn, blocks.0.mlp, ...)"
+    )
+    with pytest.raises(ConfigError, match="sequence_parallel cuts the activations over the tp ranks: it needs tp > 1"):
+        ParallelConfig(sequence_parallel=True)
 
 
 def _strategy_with_memory(rank: int, world: int, memory: int, stages: int) -> str:

@@ -186,12 +186,20 @@ def _ce_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return losses.view(batch["y"].shape).mean(dim=1)
 
 
+THROUGH_RAY = {  # kind -> the layout at W = 2 and the line its log must hold
+    "gpt2": ({"pp": 2}, "pipeline stage 0 of 2: units transformer.h.0..transformer.h.0"),
+    "llama": ({"tp": 2, "sequence_parallel": True}, "sequence parallel over the blocks model.layers"),
+}
+
+
 @pytest.mark.ray
-def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: Path) -> None:
-    """Two pipeline stages (W = 2, pp = 2) of the saved GPT-2, through the Python API: GPT-2 is split between its
-    blocks by name, each stage reads only its own tensors of the file, and the loss of step 1 (computed before its
-    update) equals transformers' own `from_pretrained` model's forward of the same 12 samples in one process. (A
-    zero3 rank reading only its shard: `test_a_zero3_rank_reads_its_shard_not_the_model`.)"""
+@pytest.mark.parametrize("kind", list(THROUGH_RAY))
+def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: Path, kind: str) -> None:
+    """W = 2 through the Python API: two pipeline stages of the saved GPT-2 (split between its blocks by name, each
+    stage reading only its own tensors of the file), or Llama split tp 2 with sequence parallel (the residual
+    stream and norms hold half the positions per rank). The loss of step 1 (computed before its update) equals
+    transformers' own `from_pretrained` model's forward of the same 12 samples in one process. (A zero3 rank
+    reading only its shard: `test_a_zero3_rank_reads_its_shard_not_the_model`.)"""
     import ray.cloudpickle
     import transformers
 
@@ -201,29 +209,32 @@ def test_the_first_step_trains_the_pretrained_model(ray_local: None, tmp_path: P
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.cloudpickle.register_pickle_by_value(sys.modules["user_models"])
+    layout, line = THROUGH_RAY[kind]
     trainer = ElasticTrainer(
-        model_fn=gpt2,
+        model_fn={"gpt2": gpt2, "llama": llama}[kind],
+        tp_plan_fn=(lambda model: LLAMA_TP_PLAN) if kind == "llama" else None,
         loss_fn=_ce_loss,
         optimizer_fn=lambda params, lr: torch.optim.AdamW(params, lr=lr),
         datasets={"train": token_dataset(48, vocab=64, context=8)},
         batch=BatchConfig(global_batch=12, micro_batch=4),
         lr=LRConfig(base_lr=1e-3),
         loop=LoopConfig(max_steps=2, strategy="ddp", audit_samples=True, id_column="id"),
-        parallel=ParallelConfig(pp=2),
+        parallel=ParallelConfig(**layout),
         checkpoint=CheckpointConfig(storage_path=str(tmp_path), run_name="finetune", every_steps=2),
         cluster=ClusterConfig(min_workers=2, max_workers=2),
         required_columns=("x", "y"),
-        init_from=str(saved("gpt2")),
+        init_from=str(saved(kind)),
     )
     result = trainer.fit()
     first = json.loads(Path(result.metrics_path).read_text().splitlines()[0])
     ids = json.loads(Path(result.samples_path or "").read_text().splitlines()[0])["ids"]
     arrays = token_arrays(48, vocab=64, context=8)
-    reference = transformers.GPT2LMHeadModel.from_pretrained(saved("gpt2"))
+    auto = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}[kind]
+    reference = auto.from_pretrained(saved(kind))
     batch = {k: torch.from_numpy(arrays[k][ids]) for k in ("x", "y")}
     with torch.no_grad():
         expected = float(_ce_loss(reference, batch).mean())
     assert first["step"] == 1 and first["loss"] == pytest.approx(expected, rel=1e-5)
     log = (tmp_path / "finetune" / "raytrain.log").read_text()
-    assert f"{saved('gpt2')}: read " in log
-    assert "pipeline stage 0 of 2: units transformer.h.0..transformer.h.0" in log
+    assert f"{saved(kind)}: read " in log
+    assert line in log

@@ -60,6 +60,83 @@ class NanoGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class Attention(nn.Module):
+    """Causal self-attention as its own module (as transformers' decoders hold it): q, k, v and the output
+    projection, heads counted from the projected width (a tensor-parallel rank holds fewer)."""
+
+    def __init__(self, width: int, head_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v, self.proj = (nn.Linear(width, width) for _ in range(4))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+        q, k, v = (m(x).view(n, t, -1, self.head_dim).transpose(1, 2) for m in (self.q, self.k, self.v))
+        att = self.drop(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return self.proj(att.transpose(1, 2).reshape(n, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.hidden_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.hidden_drop(nn.functional.gelu(self.fc(x))))
+
+
+class DropoutBlock(nn.Module):
+    def __init__(self, width: int, head_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn, self.mlp = Attention(width, head_dim, dropout), MLP(width, dropout)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_drop(self.attn(self.ln1(x)))
+        return x + self.resid_drop(self.mlp(self.ln2(x)))
+
+
+class DropoutDecoder(nn.Module):
+    """A GPT-2-style decoder with dropout everywhere GPT-2 has it (embeddings, attention, MLP hidden units, each
+    residual branch), attention and MLP in their own modules (so sequence parallel can gather their input), a
+    `pipeline_split()` and a `tp_plan()`. Tokens [n, T] -> logits [n, T, vocab]."""
+
+    def __init__(
+        self,
+        vocab: int = 16,
+        context: int = 8,
+        width: int = 32,
+        head_dim: int = 8,
+        layers: int = 2,
+        dropout: float = 0.3,
+    ) -> None:
+        super().__init__()
+        self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.embed_drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(DropoutBlock(width, head_dim, dropout) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed_drop(self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device)))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+    def pipeline_split(self) -> dict[str, object]:
+        return {"blocks": "blocks", "first": ["token", "position"], "last": ["norm", "head"]}
+
+    def tp_plan(self) -> dict[str, str]:
+        return {
+            **{f"blocks.*.attn.{name}": "colwise" for name in "qkv"},
+            "blocks.*.attn.proj": "rowwise",
+            "blocks.*.mlp.fc": "colwise",
+            "blocks.*.mlp.out": "rowwise",
+        }
+
+
 class ScaledResidual(nn.Module):
     """A parent whose `reset_parameters` writes its child's weight (a depth-scaled residual init): the parent owns
     no tensor itself."""

@@ -212,7 +212,12 @@ def describe_plan(job: FitJob) -> str:
     from raytrain.parallel.layout import check_model_parallel
 
     lines += check_model_parallel(
-        job.entries["model"], *parallel.degrees, job.entries.get("tp_plan"), parallel.pp_schedule, parallel.chunks
+        job.entries["model"],
+        *parallel.degrees,
+        job.entries.get("tp_plan"),
+        parallel.pp_schedule,
+        parallel.chunks,
+        parallel.sequence_parallel,
     )
     world = spec.cluster.max_workers // parallel.replica  # the data-parallel replicas at max_workers
     k = spec.batch.plan(world).accumulation_steps

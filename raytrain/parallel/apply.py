@@ -47,6 +47,7 @@ from raytrain.errors import ConfigError
 from raytrain.model_init import InitTrace, materialize, tie_aliases, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
 from raytrain.parallel.pipeline import KeptBlocks, Neighbours, PipelineStats, StageTie, keep_stage
+from raytrain.parallel.sequence import apply_sequence_parallel, sequence_blocks
 from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
 
 UnitsFn = Callable[[nn.Module], list[nn.Module]]
@@ -71,6 +72,8 @@ class StepPolicy:
     stage_ties: for each parameter tied across pipeline stages that this stage holds: (its name here, the process
         group of the stages holding it, whether this stage counts it in the gradient norm: the first one only).
     pipeline_stats: where a pipeline stage adds its waits and step times (`PipelineStats`; benchmarks), or None.
+    sequence_group: with sequence parallel, the tp process group over which the gradients of the parameters it
+        left whole inside the blocks are summed (`raytrain.parallel.sequence.sum_sequence_gradients`), else None.
     """
 
     reduce_every_micro_step: bool = False
@@ -83,6 +86,7 @@ class StepPolicy:
     pp_group: Any = None
     stage_ties: tuple[tuple[str, Any, bool], ...] = ()
     pipeline_stats: PipelineStats | None = None
+    sequence_group: Any = None
 
     def norm_parameters(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameters this rank counts in the global gradient norm: all but the copies of a tie held by an
@@ -222,6 +226,7 @@ def apply_parallelism(
     tp_plan: TPPlan | None = None,
     stage: int = 0,
     pp_chunks: int = 1,
+    sequence_parallel: bool = False,
     init: InitTrace | None = None,
     seed: int = 0,
     pretrained: Any = None,
@@ -236,7 +241,8 @@ def apply_parallelism(
 
     A model-parallel layout needs `mesh` (`ParallelDims.build_mesh`); for pp > 1 the rank keeps pipeline stage
     `stage` (`raytrain.parallel.pipeline.keep_stage`; `pp_chunks` model chunks of it under the interleaved
-    schedule) and for tp > 1 `tp_plan` (module-name patterns ->
+    schedule), for tp > 1 with `sequence_parallel` the activations between the split layers are cut along the
+    sequence (`raytrain.parallel.sequence`), and for tp > 1 `tp_plan` (module-name patterns ->
     "colwise" / "rowwise", checked on the whole model by the driver) splits that stage's layers. A meta model
     (`raytrain.model_init.record_build`, whose trace is `init`) is materialized on `device` and initialised from
     `init` and `seed` after sharding, so each rank only ever allocates its shard (plus one tensor's full value
@@ -266,13 +272,17 @@ def apply_parallelism(
             raise ValueError("tp > 1 needs a tensor-parallel plan")
         resolved = resolve_plan(model, tp_plan, dims.tp, stage=dims.pp > 1)
         if resolved:
-            line = apply_tensor_parallel(model, mesh["tp"], resolved, device)
+            line = apply_tensor_parallel(model, mesh["tp"], resolved, device, sequence_parallel)
             if log is not None:
                 log(line)
     if activation_checkpointing:
         skipped = _checkpoint_blocks(model, resolved)
         if skipped and log is not None:
             log(skipped)
+    if sequence_parallel and resolved:  # after checkpointing: a block's recompute replays the sequence split
+        line = apply_sequence_parallel(model, resolved, sequence_blocks(model), mesh["tp"].get_group())
+        if log is not None:
+            log(line)
     if compile_blocks:
         _compile_blocks(model)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
@@ -316,12 +326,14 @@ def step_policy(
     ties: Sequence[StageTie] = (),
     pp_schedule: str = "gpipe",
     pp_chunks: int = 1,
+    sequence_parallel: bool = False,
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
     `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel; `ties`
     the parameters tied across its pipeline stages (`stage_ties` of the whole model; a collective when not empty:
     one process group per tie and replica, made by every rank in the same order); `pp_schedule` the pipeline's
-    schedule (`raytrain.parallel.pipeline.SCHEDULES`) and `pp_chunks` the model chunks per stage it runs."""
+    schedule (`raytrain.parallel.pipeline.SCHEDULES`) and `pp_chunks` the model chunks per stage it runs;
+    `sequence_parallel` as `apply_parallelism` was given it."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
     policy = StepPolicy(
@@ -349,6 +361,7 @@ def step_policy(
         counts_loss=coords.tp == 0 and coords.pp == dims.pp - 1,
         pipeline=pipeline,
         pp_group=mesh["pp"].get_group() if dims.pp > 1 else None,
+        sequence_group=mesh["tp"].get_group() if sequence_parallel and dims.tp > 1 else None,
     )
 
 

@@ -113,10 +113,12 @@ def check_model_parallel(
     tp_plan_fn: TPPlanFn | None = None,
     pp_schedule: str = "gpipe",
     pp_chunks: int = 1,
+    sequence_parallel: bool = False,
 ) -> list[str]:
     """Driver-side check of a tp x pp layout on the meta model: the pipeline stages (`pp_chunks` chunks each) can
     be cut, and the TP plan exists and splits every planned layer evenly, on the whole model and on each stage as
-    a worker applies it.
+    a worker applies it; with `sequence_parallel`, the model has a block list and each colwise layer sits in a
+    module below its block (`raytrain.parallel.sequence`).
     Returns the lines to log (none for tp = pp = 1); raises `ConfigError` naming the problem."""
     from raytrain.preflight import build_model_for_check
 
@@ -128,6 +130,17 @@ def check_model_parallel(
         stages = (lambda: stage_models(build, pp, pp_chunks)) if pp > 1 else None
         plan = check_tp_plan(build(), tp_plan_fn, tp, stages)
         lines.append(f"tensor parallel: {len(plan)} linear layers split over tp = {tp} workers of a node")
+        if sequence_parallel:
+            from raytrain.parallel.sequence import sequence_blocks, sequence_modules
+
+            model = build()
+            blocks = sequence_blocks(model)
+            gathered = sequence_modules(model, plan, blocks)
+            shown = ", ".join(gathered[:2]) + (", ..." if len(gathered) > 2 else "")
+            lines.append(
+                f"sequence parallel: the blocks {blocks} hold 1/{tp} of the positions between the split layers; "
+                f"{len(gathered)} modules gather their input ({shown})"
+            )
     if pp > 1:
         cut = cut_stages(build(), pp * pp_chunks)
         chunked = f" ({pp_chunks} chunks each)" if pp_chunks > 1 else ""

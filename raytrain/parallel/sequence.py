@@ -1,0 +1,200 @@
+"""Sequence parallel (Megatron-SP, torch's `SequenceParallel`): between the tensor-parallel regions, each tp rank
+holds a slice of the sequence instead of the whole activation.
+
+Without it, the residual stream, the norms and the dropout outside the split layers run on the whole [n, T, d]
+activation on every tp rank (the same values tp times). With `ParallelConfig(sequence_parallel=True)`:
+- the first block of a stage (or chunk) takes this rank's slice of the T positions (`_Split`; its backward
+  gathers the gradient), the last gathers them again (`_Gather`; backward: this rank's slice of the gradient);
+- each module holding colwise layers (an attention, an MLP) gathers its input (`_Gather`: the colwise layers'
+  input-gradient all-reduce already makes its gradient whole) and each rowwise layer reduce-scatters its output
+  over the sequence (`RowwiseParallel(output_layouts=Shard(1))`) instead of all-reducing it;
+- the norms and other parameters inside the blocks that tensor parallelism leaves whole see this rank's positions
+  only: their gradients are summed over the tp ranks after the backward (`sum_sequence_gradients`);
+- every random op of the forward draws from this tp rank's own stream (`raytrain.rng.install_rank_stream`): a
+  dropout mask on a sequence slice must differ between the slices.
+So activation memory outside the split layers falls by tp, for one all-gather and one reduce-scatter per pair in
+place of one all-reduce (the same bytes). The model must call each colwise layer's parent module with the hidden
+states as its first positional argument or as `hidden_states=` (transformers' decoders do), and hold its colwise
+layers in such a module below the block (`self_attn`, `mlp`): a block computing attention in its own forward
+(raytrain's toy GPT) sees T / tp positions and is refused. T must be a multiple of tp (checked per micro-batch).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from raytrain.errors import ConfigError
+
+_SUMMED: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
+def _rank_and_size(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _slice(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    rank, size = _rank_and_size(group)
+    if tensor.shape[1] % size:
+        raise ValueError(
+            f"sequence parallel splits dimension 1 (the sequence) over tp = {size} ranks: got length "
+            f"{tensor.shape[1]} (shape {tuple(tensor.shape)}), which is not a multiple of {size}"
+        )
+    return tensor.chunk(size, dim=1)[rank].contiguous()
+
+
+def _all_gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    import torch.distributed as dist
+
+    _, size = _rank_and_size(group)
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+class _Split(torch.autograd.Function):
+    """This rank's slice of the sequence; backward: the slices' gradients gathered (the input was whole and equal
+    on every tp rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _slice(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.group), None
+
+
+class _Gather(torch.autograd.Function):
+    """The whole sequence from every rank's slice; backward: this rank's slice of the gradient (every tp rank holds
+    the whole, equal gradient of the gathered tensor)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _slice(grad, ctx.group), None
+
+
+def _replace_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], change: Any, where: str) -> Any:
+    if args and isinstance(args[0], torch.Tensor):
+        return (change(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
+    raise ValueError(f"sequence parallel: {where} was called without a tensor as first argument or hidden_states")
+
+
+def sequence_blocks(model: nn.Module) -> str:
+    """The path of `model`'s list of blocks (its pipeline split's `blocks`: `raytrain.parallel.pipeline.split_of`),
+    between whose ends sequence parallel cuts the sequence; `ConfigError` when the model has no split."""
+    from raytrain.parallel.pipeline import split_of
+
+    split = None if isinstance(model, nn.Sequential) else split_of(model)
+    if split is None:
+        raise ConfigError(
+            f"sequence parallel needs the block list of {type(model).__name__} (where the sequence is cut and joined):"
+            " a transformers decoder with base_model_pp_plan, or a pipeline_split() method returning {'blocks': ...}"
+        )
+    return split.blocks
+
+
+def sequence_modules(model: nn.Module, plan: Mapping[str, str], blocks: str) -> list[str]:
+    """The modules whose input sequence parallel gathers: the parents of the colwise layers in `plan` (module
+    name -> style, resolved), each strictly inside one of the blocks under `blocks` (`ConfigError` naming the
+    layer otherwise: a block that runs attention in its own forward cannot take T / tp positions)."""
+    parents = []
+    for name, style in plan.items():
+        if style != "colwise":
+            continue
+        parent = name.rpartition(".")[0]
+        inside = parent.startswith(blocks + ".") and "." in parent[len(blocks) + 1 :]
+        if not inside:
+            raise ConfigError(
+                f"sequence parallel needs each colwise layer inside a module below its block (an attention, an "
+                f"MLP) whose input it gathers; {name!r} sits directly in {parent or 'the model'!r}"
+            )
+        if parent not in parents:
+            parents.append(parent)
+    order = {name: position for position, (name, _) in enumerate(model.named_modules())}
+    return sorted(parents, key=lambda name: order.get(name, len(order)))
+
+
+def apply_sequence_parallel(model: nn.Module, plan: Mapping[str, str], blocks: str, tp_group: Any) -> str:
+    """Install sequence parallel on `model` (one pipeline stage or the whole model) whose layers in `plan` tensor
+    parallelism split, rowwise outputs reduce-scattered over the sequence: the blocks under `blocks` split the
+    sequence at the first block running and gather it after the last; the colwise layers' parents gather their
+    input; the parameters inside the blocks left whole are recorded for `sum_sequence_gradients`. Call after
+    activation checkpointing (its recompute then replays the split) and before FSDP. Returns a line for the log."""
+    from torch.distributed.tensor import DTensor
+
+    container = model.get_submodule(blocks)
+    for parent in sequence_modules(model, plan, blocks):
+        where = f"{parent}"
+
+        def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], where: str = where) -> Any:
+            return _replace_hidden(args, kwargs, lambda t: _Gather.apply(t, tp_group), where)
+
+        model.get_submodule(parent).register_forward_pre_hook(_eager(gather), with_kwargs=True)
+    for name, block in container.named_children():
+
+        def split(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], where: str = name) -> Any:
+            running = _running(container)
+            if not running or running[0] is not module:
+                return None
+            return _replace_hidden(args, kwargs, lambda t: _Split.apply(t, tp_group), f"{blocks}.{where}")
+
+        def join(module: nn.Module, _args: Any, output: Any) -> Any:
+            running = _running(container)
+            if not running or running[-1] is not module:
+                return None
+            if isinstance(output, tuple):
+                return (_Gather.apply(output[0], tp_group), *output[1:])
+            return _Gather.apply(output, tp_group)
+
+        block.register_forward_pre_hook(_eager(split), with_kwargs=True)
+        block.register_forward_hook(_eager(join))
+    summed = tuple(
+        name
+        for name, parameter in model.named_parameters()
+        if name.startswith(blocks + ".") and not isinstance(parameter, DTensor)
+    )
+    _SUMMED[model] = summed
+    return (
+        f"sequence parallel over the blocks {blocks}: each tp rank holds 1/tp of the positions between the split "
+        f"layers; {len(summed)} parameters left whole there (norms) have their gradients summed over tp"
+    )
+
+
+def sum_sequence_gradients(model: nn.Module, group: Any) -> None:
+    """Sum the gradients of the parameters sequence parallel left whole inside the blocks (each tp rank computed
+    them on its positions only) over the tp `group` (collective; after the step's last backward)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    for name in _SUMMED.get(model, ()):
+        parameter = model.get_parameter(name)
+        if parameter.grad is None:
+            continue
+        grad = parameter.grad
+        dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+
+
+def _running(container: nn.Module) -> list[nn.Module]:
+    """The blocks a forward runs, in order: a pipeline stage's own (of the running chunk), without the
+    placeholders of other stages' blocks."""
+    return [block for block in container if not isinstance(block, nn.Identity)]  # type: ignore[attr-defined]
+
+
+def _eager(hook: Any) -> Any:
+    """A hook that runs eagerly inside a compiled block (it runs collectives and reshapes the input)."""
+    return torch.compiler.disable(hook)
