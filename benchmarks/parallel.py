@@ -30,7 +30,17 @@ waiting for a neighbour / its step time, `raytrain.parallel.pipeline.PipelineSta
     bubble_gpipe, bubble_1f1b    the largest stage's idle fraction (the same schedule length in theory: (pp - 1) /
                                  (micro + pp - 1) of forward + backward time on each stage; on 2 cores for 4
                                  processes, waits also include the CPU the others hold)
-    schedule_losses_equal        both schedules train the same loss curve (rel. 1e-6)
+    activation_peak_ratio_interleaved_1f1b, bubble_interleaved_1f1b  the same for interleaved 1F1B (2 chunks per
+                                 stage: 8 virtual stages of one block each)
+    schedule_losses_equal        all schedules train the same loss curve (rel. 1e-6)
+
+Sequence parallel: transformers' Llama (tiny config, 4 layers, width 256, sequence 128; skipped without
+transformers) at tp 4, one step of 8 sequences with and without `sequence_parallel`. Per rank, the activation
+peak of the step's forward and backward (as above):
+
+    activation_peak_ratio_sp     with / without sequence parallel on the largest rank (the residual stream and the
+                                 norms hold T / 4 positions; attention and MLP activations are split by tp anyway)
+    sp_losses_equal              both compute the same loss (rel. 1e-6)
 """
 
 from __future__ import annotations
@@ -182,6 +192,66 @@ def run_schedule(rank: int, schedule: str, width: int, blocks: int, steps: int) 
     }
 
 
+SP_SHAPES = {64: {"width": 64, "sequence": 32, "rows": 4}, 512: {"width": 256, "sequence": 128, "rows": 8}}
+
+
+def run_sequence(rank: int, sequence_parallel: bool, shape: dict[str, int]) -> dict[str, Any]:
+    """tp = WORLD, dp 1: one step of Llama (tiny config) of `shape` (`SP_SHAPES`, by the --quick or full block width)
+    with or without sequence parallel; this rank's activation peak (the most bytes its forward and backward held
+    at once, less the gradients they leave) and the loss. None of it without transformers."""
+    try:
+        import transformers
+    except ImportError:
+        return {}
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=shape["width"],
+        intermediate_size=2 * shape["width"],
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=256,
+        max_position_embeddings=shape["sequence"],
+    )
+    dims = ParallelDims.of(WORLD, tp=WORLD)
+    coords, mesh = dims.coords(rank), dims.build_mesh("cpu")
+    built = record_build(functools.partial(transformers.LlamaForCausalLM, config))
+    plan = {
+        **{f"model.layers.*.self_attn.{n}_proj": "colwise" for n in "qkv"},
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        **{f"model.layers.*.mlp.{n}_proj": "colwise" for n in ("gate", "up")},
+        "model.layers.*.mlp.down_proj": "rowwise",
+    }
+    model = apply_parallelism(
+        built.model,
+        "ddp",
+        torch.device("cpu"),
+        dims,
+        mesh=mesh,
+        tp_plan=resolve_plan(built.model, plan, WORLD),
+        sequence_parallel=sequence_parallel,
+        init=built.trace,
+    )
+    optimizer = build_optimizer(model, adamw, 1e-3, "ddp")
+    policy = step_policy("ddp", dims, "fp32", "unsharded", mesh, coords, sequence_parallel=sequence_parallel)
+    tokens = torch.randint(0, 256, (shape["rows"], shape["sequence"] + 1), generator=torch.Generator().manual_seed(0))
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(input_ids=batch["x"]).logits
+        losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="none")
+        return losses.view(batch["y"].shape).mean(dim=1)
+
+    batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
+    dist.barrier()
+    tracker = LiveBytes()
+    with tracker:
+        walk = Step(model, optimizer, [batch], 1, shape["rows"], None, policy)
+        for micro in walk.micro_batches():
+            walk.backward(loss(model, micro))
+        tracker.mark("walked")
+    after, peak = tracker.marks["walked"]
+    return {"activation_peak": peak - after, "loss": walk.optimizer_step().loss_sum / shape["rows"]}
+
+
 def rank_main(rank: int, world: int, width: int, blocks: int, steps: int) -> dict[str, dict[str, Any]]:
     quiet_fsdp_warnings()
     torch.manual_seed(0)
@@ -191,6 +261,9 @@ def rank_main(rank: int, world: int, width: int, blocks: int, steps: int) -> dic
         dist.barrier()
     for schedule in SCHEDULES:  # enough blocks for 2 chunks per stage
         results[f"schedule-{schedule}"] = run_schedule(rank, schedule, width, max(blocks, 2 * WORLD), steps)
+        dist.barrier()
+    for sequence_parallel in (False, True):
+        results[f"sp-{sequence_parallel}"] = run_sequence(rank, sequence_parallel, SP_SHAPES[width])
         dist.barrier()
     return results
 
@@ -274,6 +347,20 @@ def main() -> None:
         for s in SCHEDULES[1:]
         for a, b in zip(schedules[s][-1]["losses"], gpipe_losses, strict=True)
     )
+    plain, split = ([r[f"sp-{on}"] for r in per_rank] for on in (False, True))
+    shape = SP_SHAPES[width]
+    if plain[0]:
+        print(
+            f"sequence parallel: Llama (4 layers, width {shape['width']}), tp {WORLD}, {shape['rows']} sequences "
+            f"of {shape['sequence']}; activation peak MB per rank without / with: "
+            + ", ".join(
+                f"{a['activation_peak'] / 1e6:.2f} / {b['activation_peak'] / 1e6:.2f}"
+                for a, b in zip(plain, split, strict=True)
+            )
+        )
+        worst = max(r["activation_peak"] for r in plain)
+        result["activation_peak_ratio_sp"] = round(max(r["activation_peak"] for r in split) / worst, 3)
+        result["sp_losses_equal"] = abs(split[0]["loss"] - plain[0]["loss"]) <= 1e-6 * abs(plain[0]["loss"])
     print(f"wall time {time.perf_counter() - began:.1f} s")
     print_headline(result)
 
