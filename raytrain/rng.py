@@ -14,8 +14,8 @@ attention heads or MLP columns of different ranks get independent masks, not one
 regions (replicated activations: residual dropout, embeddings) the tp ranks draw the same values, as they must.
 A region's stream is derived from the outside stream at its entry, so activation checkpointing, which restores
 the outside state before recomputing a block, recomputes the same masks. Under sequence parallel the activations
-between the split layers are cut along the sequence too, so the whole forward is one region
-(`install_rank_stream`).
+between the split layers are cut along the sequence too, so the whole span from the sequence's split to its join
+is one region (`install_rank_stream`).
 """
 
 from __future__ import annotations
@@ -154,18 +154,15 @@ def install_tp_rng(
 
 
 def install_rank_stream(model: nn.Module, tp_rank: int, device: torch.device | None) -> TensorParallelRNG:
-    """Sequence parallel's random streams: `model`'s whole forward is one region of this tp rank's own stream
-    (each rank holds other positions, so every dropout mask must be its own), entered from the shared stream at
-    the forward's start (its seed drawn there identically on every tp rank) and left at its end, also when the
-    forward raised or a pipeline stage stopped it. Activation checkpointing restores a block's entry state, so
-    its recompute draws the same masks."""
+    """Sequence parallel's random streams: the span from the sequence's split to its join is one region of this tp
+    rank's own stream (each rank holds other positions there, so every dropout mask must be its own); its caller
+    (`raytrain.parallel.sequence`) enters it at the split (the seed drawn there from the shared stream identically
+    on every tp rank) and leaves it at the join. `model`'s forward starts and ends outside it (also when the
+    forward raised, or a pipeline stage stopped it: its hooks are then run by the pipeline). Activation
+    checkpointing restores a block's entry state, so its recompute draws the same masks. Returns the region
+    keeper (`enter`, `leave`)."""
     rng = TensorParallelRNG(tp_rank, device)
-    enter, leave = torch.compiler.disable(rng.enter), torch.compiler.disable(rng.leave)
-
-    def start(*_: Any) -> None:
-        leave()
-        enter()
-
-    model.register_forward_pre_hook(start)
+    leave = torch.compiler.disable(rng.leave)
+    model.register_forward_pre_hook(leave)
     model.register_forward_hook(leave, always_call=True)
     return rng

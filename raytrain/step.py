@@ -148,8 +148,8 @@ class Step:
         self._current = None
 
     def pipeline(self, loss_fn: LossFn) -> None:
-        """A pipeline stage's forwards and backwards of all its micro-batches in the layout's schedule (GPipe or
-        1F1B; collective over the stages)."""
+        """A pipeline stage's forwards and backwards of all its micro-batches in the layout's schedule (GPipe,
+        1F1B or interleaved 1F1B; collective over the stages)."""
         assert self.policy.pipeline is not None, "not a pipeline-parallel step"
         device = next(self.model.parameters()).device
         sync = backward_sync(self.model, self.policy)

@@ -146,6 +146,20 @@ CASES = {
         # sequence parallel with FSDP2 on dp, and across pipeline stages (each stage cuts and joins the sequence)
         Case(4, 2, "zero3", cap=2, model="llama", optimizer="adamw_ndim", sp=True),
         Case(4, 2, "ddp", cap=3, pp=2, model="llama", optimizer="adamw_ndim", sp=True),
+        # all at once: each stage's two chunks cut and join the sequence, and the backward's recompute of a block
+        # (outside any chunk's forward) replays its split
+        Case(
+            4,
+            2,
+            "ddp",
+            cap=3,
+            pp=2,
+            model="llama",
+            optimizer="adamw_ndim",
+            schedule="interleaved_1f1b",
+            sp=True,
+            checkpointing=True,
+        ),
         # interleaved under FSDP2: the step's last backward (chunk 0's) also reduces chunk 1's blocks
         Case(4, 1, "zero3", cap=2, pp=2, model="llama", optimizer="adamw_ndim", schedule="interleaved_1f1b"),
         Case(4, 1, "zero3", cap=1, pp=2, model="tied_gpt", optimizer="adamw_ndim", schedule="1f1b"),  # k = 4
@@ -594,6 +608,8 @@ def test_dropout_under_tp_draws_per_rank_inside_the_split_and_the_curve_holds_ac
         assert torch.equal(resid0, resid1), "replicated activations diverge"
     else:  # each rank's half of the positions: [n, T / 2, width], its own mask
         assert resid0.shape[1] == SHAPE["context"] // 2 and not torch.equal(resid0, resid1), "one mask for all"
+    # the parameters both tp ranks hold whole (embeddings, norms, head) stayed equal: the same gradient on each
+    assert _max_param_diff([tp0], [tp1]) == 0.0, "the tp ranks' copies of a whole parameter drifted apart"
     worst = _max_param_diff(runs[4][:2], runs[2])  # replica 0 of dp 2 against the one replica of dp 1
     recomputed = _max_param_diff(_tp_dropout_runs(2, f"{mode}-dropout-ac"), runs[2])
     print(f"{mode} 2 dropout: dp 2 vs dp 1 max abs diff {worst:.3e}; checkpointing vs none {recomputed:.3e}")

@@ -280,7 +280,7 @@ def apply_parallelism(
         if skipped and log is not None:
             log(skipped)
     if sequence_parallel and resolved:  # after checkpointing: a block's recompute replays the sequence split
-        line = apply_sequence_parallel(model, resolved, sequence_blocks(model), mesh["tp"].get_group())
+        line = apply_sequence_parallel(model, resolved, sequence_blocks(model), mesh["tp"].get_group(), device)
         if log is not None:
             log(line)
     if compile_blocks:

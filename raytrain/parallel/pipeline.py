@@ -20,10 +20,13 @@ a pre-hook on its first block replaces that block's input by the activation rece
 its masks and positions from the batch on every stage, and `loss_fn` keeps the contract of every other layout:
 call the model once, return one loss per sample.
 
-Schedule. GPipe over raytrain's own accumulation micro-batches (the batch plan's exact, possibly uneven sizes:
-torch's `PipelineStage` infers one activation shape for every micro-batch, so raytrain runs the schedule itself,
-with point-to-point sends that carry their shape). All forwards, first stage to last, then all backwards, last to
-first.
+Schedules (`schedule_order`, pure) over raytrain's own accumulation micro-batches (the batch plan's exact, possibly
+uneven sizes: torch's `PipelineStage` infers one activation shape for every micro-batch, so raytrain runs the
+schedule itself, with point-to-point sends that carry their shape): GPipe (all forwards, then all backwards),
+1F1B (a forward and a backward in turn once the pipeline is full) and interleaved 1F1B (each rank holds
+`chunks` non-adjacent chunks of the model, virtual stages dealt round-robin, the last rank sending back to the
+first; a chunk's forward runs only its own blocks: `KeptBlocks`). Each stage receives in the order its neighbour
+sent (`sent_messages`), so two messages sharing one link never cross.
 """
 
 from __future__ import annotations
@@ -117,7 +120,8 @@ def hf_split(model: nn.Module) -> PipelineSplit | None:
 def split_of(model: nn.Module) -> PipelineSplit | None:
     """How a model that is not an `nn.Sequential` is cut into stages, or None when raytrain does not know: the
     model's own `pipeline_split()` method (returning {"blocks": path, "first": [paths], "last": [paths]} and
-    optionally "starts": [block index per stage after the first]), a transformers model's `base_model_pp_plan`,
+    optionally "starts": [the block index each stage after the first starts with; pp x pp_chunks - 1 of them under
+    the interleaved schedule]), a transformers model's `base_model_pp_plan`,
     or a known family by its module names (`KNOWN_SPLITS`)."""
     hook = getattr(model, "pipeline_split", None)
     if callable(hook):
@@ -458,7 +462,8 @@ class KeptBlocks:
         if isinstance(index, int):
             return self._running()[index]
         if isinstance(index, slice):
-            return nn.ModuleList(self._running()[index])
+            running = self._running()[index]
+            return nn.Sequential(*running) if isinstance(self, nn.Sequential) else nn.ModuleList(running)
         return super().__getitem__(index)  # type: ignore[misc]
 
 
@@ -592,12 +597,11 @@ def run_stage(
 
 def _finish_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor) -> Any:
     """The stage's forward was stopped at its last block inside `model`'s forward: run `model`'s forward hooks that
-    the stop skipped (those not `always_call`), with the stage's output, as a completed forward would. An FSDP2
-    unit's post-forward is one: it reshards the unit's parameters and hooks the output so that its backward gathers
-    them again (else a later micro-batch's backward would find them freed)."""
+    the stop skipped, with the stage's output, as a completed forward would (all of them: torch runs `always_call`
+    hooks on an `Exception` only, and the stop is a `BaseException`). An FSDP2 unit's post-forward is one: it
+    reshards the unit's parameters and hooks the output so that its backward gathers them again (else a later
+    micro-batch's backward would find them freed); a random-stream region's exit is another."""
     for key, hook in list(model._forward_hooks.items()):
-        if key in model._forward_hooks_always_called:
-            continue  # they ran on the way out
         if model._forward_hooks_with_kwargs.get(key, False):
             result = hook(model, args, kwargs, output)
         else:

@@ -10,8 +10,9 @@ activation on every tp rank (the same values tp times). With `ParallelConfig(seq
   over the sequence (`RowwiseParallel(output_layouts=Shard(1))`) instead of all-reducing it;
 - the norms and other parameters inside the blocks that tensor parallelism leaves whole see this rank's positions
   only: their gradients are summed over the tp ranks after the backward (`sum_sequence_gradients`);
-- every random op of the forward draws from this tp rank's own stream (`raytrain.rng.install_rank_stream`): a
-  dropout mask on a sequence slice must differ between the slices.
+- every random op between the split and the join draws from this tp rank's own stream
+  (`raytrain.rng.install_rank_stream`): a dropout mask on a sequence slice must differ between the slices, while
+  one on the whole sequence (an embedding's dropout before the split) must be the same on every tp rank.
 So activation memory outside the split layers falls by tp, for one all-gather and one reduce-scatter per pair in
 place of one all-reduce (the same bytes). The model must call each colwise layer's parent module with the hidden
 states as its first positional argument or as `hidden_states=` (transformers' decoders do), and hold its colwise
@@ -129,15 +130,37 @@ def sequence_modules(model: nn.Module, plan: Mapping[str, str], blocks: str) -> 
     return sorted(parents, key=lambda name: order.get(name, len(order)))
 
 
-def apply_sequence_parallel(model: nn.Module, plan: Mapping[str, str], blocks: str, tp_group: Any) -> str:
+def _ends(container: nn.Module) -> tuple[set[int], set[int]]:
+    """The ids of the blocks that start and that end a run of `container`'s blocks: its first and last block, or,
+    in a pipeline stage, those of each chunk it holds (`raytrain.parallel.pipeline.KeptBlocks`; other stages'
+    placeholders left out). Decided once, so a block recomputed in the backward (outside any chunk's forward)
+    splits and joins as in its forward."""
+    chunk_of = getattr(container, "_chunk_of", {})
+    runs: dict[int, list[nn.Module]] = {}
+    for key, block in container._modules.items():
+        if block is not None and not isinstance(block, nn.Identity):
+            runs.setdefault(chunk_of.get(key, 0), []).append(block)
+    return {id(run[0]) for run in runs.values()}, {id(run[-1]) for run in runs.values()}
+
+
+def apply_sequence_parallel(
+    model: nn.Module, plan: Mapping[str, str], blocks: str, tp_group: Any, device: torch.device | None = None
+) -> str:
     """Install sequence parallel on `model` (one pipeline stage or the whole model) whose layers in `plan` tensor
     parallelism split, rowwise outputs reduce-scattered over the sequence: the blocks under `blocks` split the
-    sequence at the first block running and gather it after the last; the colwise layers' parents gather their
-    input; the parameters inside the blocks left whole are recorded for `sum_sequence_gradients`. Call after
-    activation checkpointing (its recompute then replays the split) and before FSDP. Returns a line for the log."""
+    sequence at the first block of a run (`_ends`) and gather it after the last, drawing random numbers from the tp
+    rank's own stream in between (`raytrain.rng.install_rank_stream`; `device`: the run's, for its generator);
+    the colwise layers' parents gather their input; the parameters inside the blocks left whole are recorded for
+    `sum_sequence_gradients`. Call after activation checkpointing (its recompute then replays the split and the
+    stream's entry) and before FSDP. Returns a line for the log."""
     from torch.distributed.tensor import DTensor
 
+    from raytrain.rng import install_rank_stream
+
     container = model.get_submodule(blocks)
+    firsts, lasts = _ends(container)
+    rank, _ = _rank_and_size(tp_group)
+    stream = install_rank_stream(model, rank, device)
     for parent in sequence_modules(model, plan, blocks):
         where = f"{parent}"
 
@@ -148,15 +171,15 @@ def apply_sequence_parallel(model: nn.Module, plan: Mapping[str, str], blocks: s
     for name, block in container.named_children():
 
         def split(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], where: str = name) -> Any:
-            running = _running(container)
-            if not running or running[0] is not module:
+            if id(module) not in firsts:
                 return None
+            stream.enter()  # the positions differ per rank from here: so do the random numbers
             return _replace_hidden(args, kwargs, lambda t: _Split.apply(t, tp_group), f"{blocks}.{where}")
 
         def join(module: nn.Module, _args: Any, output: Any) -> Any:
-            running = _running(container)
-            if not running or running[-1] is not module:
+            if id(module) not in lasts:
                 return None
+            stream.leave()
             if isinstance(output, tuple):
                 return (_Gather.apply(output[0], tp_group), *output[1:])
             return _Gather.apply(output, tp_group)
@@ -181,18 +204,14 @@ def sum_sequence_gradients(model: nn.Module, group: Any) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    # A parameter used on the gathered whole sequence inside an attention or MLP module (e.g. an MoE router) would be
+    # counted tp times here: such models need it in the TP plan or outside the blocks.
     for name in _SUMMED.get(model, ()):
         parameter = model.get_parameter(name)
         if parameter.grad is None:
             continue
         grad = parameter.grad
         dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
-
-
-def _running(container: nn.Module) -> list[nn.Module]:
-    """The blocks a forward runs, in order: a pipeline stage's own (of the running chunk), without the
-    placeholders of other stages' blocks."""
-    return [block for block in container if not isinstance(block, nn.Identity)]  # type: ignore[attr-defined]
 
 
 def _eager(hook: Any) -> Any:

@@ -29,7 +29,7 @@ from torch import nn
 
 from raytrain.errors import ConfigError
 from raytrain.model_init import tie_groups
-from raytrain.rng import install_rank_stream, install_tp_rng
+from raytrain.rng import install_tp_rng
 
 TPStyle = str  # "colwise" or "rowwise"
 TPPlan = Mapping[str, TPStyle]
@@ -120,8 +120,8 @@ def apply_tensor_parallel(
     its own random stream inside the split regions (`raytrain.rng.install_tp_rng`: dropout between a colwise and
     a rowwise layer draws per rank, outside the ranks agree; `device`: the run's, for its generator); returns one
     line for the log. With `sequence_parallel` the rowwise layers reduce-scatter their output over the sequence
-    (dimension 1) and the whole forward draws from the rank's own stream (`raytrain.rng.install_rank_stream`);
-    `raytrain.parallel.sequence.apply_sequence_parallel` adds the rest. Call before FSDP and before materializing
+    (dimension 1), and `raytrain.parallel.sequence.apply_sequence_parallel` adds the rest (the random streams
+    included). Call before FSDP and before materializing
     a meta model."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -133,9 +133,8 @@ def apply_tensor_parallel(
 
     parallelize_module(model, tp_mesh, {name: style(s) for name, s in plan.items()})
     names = {style: [name for name, s in plan.items() if s == style] for style in STYLES}
-    if sequence_parallel:
-        install_rank_stream(model, tp_mesh.get_local_rank(), device)
-        drawn = "every random op draws per tp rank"
+    if sequence_parallel:  # its streams: `raytrain.parallel.sequence`
+        drawn = "every random op between the sequence's split and join draws per tp rank"
     else:
         install_tp_rng(model, names["colwise"], names["rowwise"], tp_mesh.get_local_rank(), device)
         drawn = "dropout between them draws per tp rank"
