@@ -192,7 +192,8 @@ def check_pipeline(
             " the split's first and last modules must be exactly those the forward runs before and after the blocks"
         )
     return (
-        f"pipeline check: {pp} stages chained on {rows} samples give the whole model's losses (max difference "
+        f"pipeline check: {pp} stages{f' ({chunks} chunks each)' if chunks > 1 else ''} chained on {rows} samples "
+        "give the whole model's losses (max difference "
         f"{difference:.1e})"
     )
 

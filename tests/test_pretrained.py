@@ -187,7 +187,7 @@ def _ce_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 THROUGH_RAY = {  # kind -> the layout at W = 2 and the line its log must hold
-    "gpt2": ({"pp": 2}, "pipeline stage 0 of 2: units transformer.h.0..transformer.h.0"),
+    "gpt2": ({"pp": 2}, "pipeline stage 0 of 2: units transformer.h.0 ("),
     "llama": ({"tp": 2, "sequence_parallel": True}, "sequence parallel over the blocks model.layers"),
 }
 

@@ -427,7 +427,8 @@ def keep_stage(model: nn.Module, stage: int, stages: int, chunks: int = 1) -> st
             else:
                 setattr(parent, attr, _OnLaterStage(path, stage))
     _ENDS[model] = ends
-    runs = [f"{cut.units[cut.bounds[v][0]].anchor}..{cut.units[cut.bounds[v][1] - 1].anchor}" for v in mine]
+    ends_of = [(cut.units[cut.bounds[v][0]].anchor, cut.units[cut.bounds[v][1] - 1].anchor) for v in mine]
+    runs = [first if first == last else f"{first}..{last}" for first, last in ends_of]
     sizes = cut.rank_sizes(stages)
     interleaved = f" in {chunks} chunks" if chunks > 1 else ""
     return (
