@@ -99,6 +99,9 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ),
     ("parallel", "peak_ratio_zero3", "peak bytes per rank, zero3 dp 4 ÷ ddp dp 4", None),
     ("parallel", "peak_ratio_tp2pp2_vs_zero3", "peak bytes per rank, tp 2 x pp 2 ÷ zero3 dp 4", None),
+    ("parallel", "bubble_1f1b", "pipeline bubble (largest stage's idle fraction), 1F1B, pp 4, 8 micro-batches", None),
+    ("parallel", "bubble_interleaved_1f1b", "the same, interleaved 1F1B (2 chunks per stage)", None),
+    ("parallel", "activation_peak_ratio_sp", "activation peak per rank, sequence parallel ÷ without, Llama tp 4", None),
     (
         "memory",
         "worst_planner_error",
