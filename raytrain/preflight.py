@@ -161,9 +161,9 @@ def check_pipeline(
     from raytrain.parallel.pipeline import chain_stages, keep_stage
 
     rows = len(next(iter(sample.values())))
-    size = sum(p.numel() for p in build_model_for_check(model_fn).parameters())
-    real = size <= CPU_CHECK_MAX_PARAMS
-    whole = build_cpu_model().eval() if real else build_model_for_check(model_fn)
+    meta = build_model_for_check(model_fn)
+    real = sum(p.numel() for p in meta.parameters()) <= CPU_CHECK_MAX_PARAMS
+    whole = build_cpu_model().eval() if real else meta
     batch = to_tensors(sample, "cpu" if real else "meta")
     stages = []
     for stage in range(pp):

@@ -351,11 +351,11 @@ def start_run(job: WorkerJob) -> Run:
     resuming = ray.train.get_checkpoint() is not None
     pretrained = job.pretrained if not resuming else None  # a checkpoint replaces the weights anyway
     model, trace = build_model(job)
+    parallel = spec.parallel
     # of the whole model, before the stage is cut
-    ties = stage_ties(model, dims.pp, spec.parallel.chunks) if dims.pp > 1 else []
+    ties = stage_ties(model, dims.pp, parallel.chunks) if dims.pp > 1 else []
     # a tied parameter's optimizer state is stored under one of its names: the one this layout may not hold
     aliases = tie_aliases(model)
-    parallel = spec.parallel
     tp_plan = plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None  # checked on the driver, resolved per stage
     layout = resolve_layout(
         spec.loop.strategy,
@@ -367,7 +367,7 @@ def start_run(job: WorkerJob) -> Run:
         device=device,
         local_workers=context.get_local_world_size(),
         stages=dims.pp,
-        chunks=spec.parallel.chunks,
+        chunks=parallel.chunks,
         units_fn=job.units_fn,
     )
     if layout.reason:

@@ -128,14 +128,14 @@ def check_model_parallel(
     lines = []
     if tp > 1:
         stages = (lambda: stage_models(build, pp, pp_chunks)) if pp > 1 else None
-        plan = check_tp_plan(build(), tp_plan_fn, tp, stages)
+        whole = build()
+        plan = check_tp_plan(whole, tp_plan_fn, tp, stages)
         lines.append(f"tensor parallel: {len(plan)} linear layers split over tp = {tp} workers of a node")
         if sequence_parallel:
             from raytrain.parallel.sequence import sequence_blocks, sequence_modules
 
-            model = build()
-            blocks = sequence_blocks(model)
-            gathered = sequence_modules(model, plan, blocks)
+            blocks = sequence_blocks(whole)
+            gathered = sequence_modules(whole, plan, blocks)
             shown = ", ".join(gathered[:2]) + (", ..." if len(gathered) > 2 else "")
             lines.append(
                 f"sequence parallel: the blocks {blocks} hold 1/{tp} of the positions between the split layers; "

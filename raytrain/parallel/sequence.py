@@ -162,9 +162,8 @@ def apply_sequence_parallel(
     rank, _ = _rank_and_size(tp_group)
     stream = install_rank_stream(model, rank, device)
     for parent in sequence_modules(model, plan, blocks):
-        where = f"{parent}"
 
-        def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], where: str = where) -> Any:
+        def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], where: str = parent) -> Any:
             return _replace_hidden(args, kwargs, lambda t: _Gather.apply(t, tp_group), where)
 
         model.get_submodule(parent).register_forward_pre_hook(_eager(gather), with_kwargs=True)

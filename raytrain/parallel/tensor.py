@@ -121,8 +121,7 @@ def apply_tensor_parallel(
     a rowwise layer draws per rank, outside the ranks agree; `device`: the run's, for its generator); returns one
     line for the log. With `sequence_parallel` the rowwise layers reduce-scatter their output over the sequence
     (dimension 1), and `raytrain.parallel.sequence.apply_sequence_parallel` adds the rest (the random streams
-    included). Call before FSDP and before materializing
-    a meta model."""
+    included). Call before FSDP and before materializing a meta model."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
