@@ -232,7 +232,8 @@ class ParallelConfig:
             holds all the step's micro-batches' activations), "1f1b" (a forward and a backward in turn once the
             pipeline is full: at most pp micro-batches in flight per stage, the same bubble) or "interleaved_1f1b"
             (Megatron's: each worker holds `pp_chunks` non-adjacent chunks of the model, the bubble about
-            `pp_chunks` times smaller, more activations in flight than 1f1b).
+            `pp_chunks` times smaller, more activations in flight than 1f1b). A schedule other than gpipe needs
+            pp > 1 (or "auto", where a layout without a pipeline leaves it off).
         pp_chunks: model chunks per pipeline stage (interleaved_1f1b only; default 2 there, 1 otherwise): the
             model is cut into pp * pp_chunks virtual stages and worker s holds s, s + pp, ...; needs at least that
             many blocks.
@@ -295,6 +296,14 @@ class ParallelConfig:
                     f"pp_chunks={self.pp_chunks} needs pp_schedule 'interleaved_1f1b' (the {self.pp_schedule} "
                     "schedule runs one chunk per stage)"
                 )
+        if self.pp == 1 and (self.pp_schedule != "gpipe" or self.pp_chunks not in (None, 1)):
+            given = (
+                f"pp_schedule={self.pp_schedule!r}" if self.pp_schedule != "gpipe" else f"pp_chunks={self.pp_chunks}"
+            )
+            raise ConfigError(
+                f"{given} orders the micro-batches of a pipeline: it needs pp > 1, got pp = 1 (set pp to the "
+                "pipeline's stage count, or leave pp_schedule and pp_chunks unset)"
+            )
         for name in ("activation_checkpointing", "compile", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -129,6 +129,11 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
         "pp_chunks=2 needs pp_schedule 'interleaved_1f1b' \\(the gpipe schedule runs one chunk per stage\\)",
     ),
     (
+        "a schedule without a pipeline",
+        lambda: ParallelConfig(pp_schedule="1f1b"),
+        r"pp_schedule='1f1b' orders the micro-batches of a pipeline: it needs pp > 1, got pp = 1",
+    ),
+    (
         "interleaving one chunk",
         lambda: ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_chunks=1),
         "pp_chunks must be an integer >= 2, got 1",

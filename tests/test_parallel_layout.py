@@ -3,6 +3,8 @@ it, and the one driver-side check of a tp x pp layout. No Ray, no process group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch import nn
 from user_models import DropoutDecoder
@@ -89,6 +91,23 @@ def test_resolve_counts_the_users_model_on_the_meta_device() -> None:
     assert resolve_parallel(roomy, cluster, lambda: mlp(features=16, hidden=64))[0].degrees == (1, 1)
     given = ParallelConfig(tp=2)
     assert resolve_parallel(given, cluster, lambda: mlp(features=16, hidden=64)) == (given, "")
+    # a schedule and sequence parallel asked for with "auto": what the chosen layout has no use for is left off
+    wishes = {"pp_schedule": "interleaved_1f1b", "pp_chunks": 2, "sequence_parallel": True}
+    resolved, reason = resolve_parallel(
+        dataclasses.replace(roomy, **wishes), cluster, lambda: mlp(features=16, hidden=64)
+    )
+    assert (resolved.degrees, resolved.pp_schedule, resolved.chunks, resolved.sequence_parallel) == (
+        (1, 1),
+        "gpipe",
+        1,
+        False,
+    )
+    assert reason.endswith("; unused at tp 1, pp 1, so left off: pp_schedule 'interleaved_1f1b', sequence_parallel")
+    resolved, reason = resolve_parallel(
+        dataclasses.replace(tight, **wishes), cluster, lambda: mlp(features=16, hidden=64)
+    )
+    assert (resolved.degrees, resolved.pp_schedule, resolved.sequence_parallel) == ((2, 1), "gpipe", True)
+    assert reason.endswith("so left off: pp_schedule 'interleaved_1f1b'")
 
 
 def test_one_driver_check_names_the_layout_or_the_problem() -> None:

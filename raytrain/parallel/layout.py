@@ -75,7 +75,8 @@ def resolve_parallel(
     parallel: ParallelConfig, cluster: ClusterConfig, model_fn: ModelFn, units_fn: UnitsFn | None = None
 ) -> tuple[ParallelConfig, str]:
     """`parallel` with "auto" tp/pp replaced by `choose_layout`'s choice for `model_fn`'s model (built on the meta
-    device), and the reason; unchanged with "" when tp and pp are integers."""
+    device), and the reason; unchanged with "" when tp and pp are integers. A pipeline schedule when the choice
+    has no pipeline (pp 1), or sequence parallel when it has no tp (tp 1), is left off and named in the reason."""
     if parallel.tp != "auto":
         return parallel, ""
     from raytrain.parallel.strategy import unit_params
@@ -91,7 +92,17 @@ def resolve_parallel(
         workers_per_node=parallel.workers_per_node,
         device_memory_bytes=int(parallel.device_memory_gb * GB),
     )
-    return dataclasses.replace(parallel, tp=tp, pp=pp), reason
+    changes: dict[str, object] = {"tp": tp, "pp": pp}
+    unused = []  # what the user asked of a pipeline or of tp that the chosen layout does not have
+    if pp == 1 and (parallel.pp_schedule != "gpipe" or parallel.pp_chunks not in (None, 1)):
+        unused.append(f"pp_schedule {parallel.pp_schedule!r}")
+        changes |= {"pp_schedule": "gpipe", "pp_chunks": None}
+    if tp == 1 and parallel.sequence_parallel:
+        unused.append("sequence_parallel")
+        changes["sequence_parallel"] = False
+    if unused:
+        reason += f"; unused at tp {tp}, pp {pp}, so left off: {', '.join(unused)}"
+    return dataclasses.replace(parallel, **changes), reason  # type: ignore[arg-type]
 
 
 def resolved_spec(model_fn: ModelFn, units_fn: UnitsFn | None = None, **sections: Any) -> tuple[TrainSpec, str]:
