@@ -296,13 +296,10 @@ class ParallelConfig:
                     f"pp_chunks={self.pp_chunks} needs pp_schedule 'interleaved_1f1b' (the {self.pp_schedule} "
                     "schedule runs one chunk per stage)"
                 )
-        if self.pp == 1 and (self.pp_schedule != "gpipe" or self.pp_chunks not in (None, 1)):
-            given = (
-                f"pp_schedule={self.pp_schedule!r}" if self.pp_schedule != "gpipe" else f"pp_chunks={self.pp_chunks}"
-            )
+        if self.pp == 1 and self.pp_schedule != "gpipe":  # pp_chunks > 1 implies interleaving (checked above)
             raise ConfigError(
-                f"{given} orders the micro-batches of a pipeline: it needs pp > 1, got pp = 1 (set pp to the "
-                "pipeline's stage count, or leave pp_schedule and pp_chunks unset)"
+                f"pp_schedule={self.pp_schedule!r} orders the micro-batches of a pipeline: it needs pp > 1, got "
+                "pp = 1 (set pp to the pipeline's stage count, or leave pp_schedule and pp_chunks unset)"
             )
         for name in ("activation_checkpointing", "compile", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):

@@ -94,7 +94,7 @@ def resolve_parallel(
     )
     changes: dict[str, object] = {"tp": tp, "pp": pp}
     unused = []  # what the user asked of a pipeline or of tp that the chosen layout does not have
-    if pp == 1 and (parallel.pp_schedule != "gpipe" or parallel.pp_chunks not in (None, 1)):
+    if pp == 1 and parallel.pp_schedule != "gpipe":  # pp_chunks > 1 comes only with interleaving
         unused.append(f"pp_schedule {parallel.pp_schedule!r}")
         changes |= {"pp_schedule": "gpipe", "pp_chunks": None}
     if tp == 1 and parallel.sequence_parallel:
