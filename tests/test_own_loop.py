@@ -75,14 +75,25 @@ def framework_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return [m["loss"] for m in read_jsonl(trainer.fit().metrics_path)]
 
 
+def paced_until_grown(config: dict[str, Any]) -> None:
+    """The example's `train_func`, slowed by `pause_s` per step (a bigger model's compute) in the first worker group
+    and while the world is shrunk to 1, and at full speed once a group of 2 resumes from a checkpoint: the events
+    need time to land, the steps after the grow do not."""
+    from ray import train
+
+    grown = train.get_checkpoint() is not None and train.get_context().get_world_size() == 2
+    own_loop.train_func({**config, "pause_s": 0.0 if grown else config["pause_s"]})
+
+
 def own_loop_trainer(data: Any, run: str, storage: str, steps: int, workers: Any = 2, **scaling: Any) -> Any:
-    """A plain Ray Train `TorchTrainer` over the example's `train_func` (on `data`; None: its map-style set)."""
+    """A plain Ray Train `TorchTrainer` over the example's `train_func` (on `data`; None: its map-style set); with
+    `pause_s`, over `paced_until_grown`."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     pause = scaling.pop("pause_s", 0.0)
     return TorchTrainer(
-        own_loop.train_func,
+        paced_until_grown if pause else own_loop.train_func,
         train_loop_config={**CONFIG, "steps": steps, "data": data, "pause_s": pause},
         scaling_config=ScalingConfig(num_workers=workers, **scaling),
         run_config=RunConfig(
