@@ -18,14 +18,26 @@ from ray_helpers import assert_same_curve, check_invariants, demo, losses, read_
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 STEPS = 40
-LIVE = ("--recovery", "live", "--steps", str(STEPS), "--sample-time", "0.01", "--checkpoint-every", "5")
+LIVE = ("--recovery", "live", "--steps", str(STEPS), "--checkpoint-every", "5")
+PACED = ("--sample-time", "0.01")  # simulated compute: the events land mid-run (it changes no loss)
 
 
 @pytest.fixture(scope="module")
 def live_fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The reference: one live replica on one fake node, no event (the curve is the same at every world size)."""
+    """The reference: one live replica on one fake node, no event, no simulated compute (the curve is the same at
+    every world size and pace)."""
     summary = demo(
-        tmp_path_factory.mktemp("live-fixed"), "fixed", *LIVE, "--nodes", "1", "--workers", "1", "--events", "none"
+        tmp_path_factory.mktemp("live-fixed"),
+        "fixed",
+        *LIVE,
+        "--sample-time",
+        "0",
+        "--nodes",
+        "1",
+        "--workers",
+        "1",
+        "--events",
+        "none",
     )
     assert summary["live"]["lost"] == [] and summary["restarts"] == 0
     return summary
@@ -34,7 +46,7 @@ def live_fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
     tmp_path: Path, live_fixed: dict[str, Any]
 ) -> None:
-    summary = demo(tmp_path, "kills", *LIVE, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
+    summary = demo(tmp_path, "kills", *LIVE, *PACED, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
     check_invariants(summary, STEPS)
     assert_same_curve(summary, losses(live_fixed))
     live = summary["live"]
@@ -65,7 +77,7 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(
     tmp_path: Path, live_fixed: dict[str, Any]
 ) -> None:
-    summary = demo(tmp_path, "fallback", *LIVE, "--nodes", "1", "--workers", "1", "--events", "kill@12")
+    summary = demo(tmp_path, "fallback", *LIVE, *PACED, "--nodes", "1", "--workers", "1", "--events", "kill@12")
     check_invariants(summary, STEPS)
     assert_same_curve(summary, losses(live_fixed))
     live = summary["live"]
