@@ -129,6 +129,30 @@ def check_loss_fn(
     return ""
 
 
+def check_sequence_split(
+    loss_fn: Callable[..., Any],
+    model: nn.Module,
+    sample: dict[str, np.ndarray],
+    tp: int,
+    build_cpu_model: Callable[[], nn.Module],
+) -> str:
+    """With sequence parallel at `tp`: one forward of `loss_fn` on `sample` (as `check_loss_fn`: on the meta model,
+    else a CPU model of at most `CPU_CHECK_MAX_PARAMS` parameters) shows the sequence length where the blocks cut
+    it, which tp must divide (`raytrain.parallel.sequence.check_sequence_length`: `ConfigError` otherwise).
+    Returns a line for the log."""
+    from raytrain.data.materialized import to_tensors
+    from raytrain.parallel.sequence import check_sequence_length
+
+    on_meta = any(p.is_meta for p in model.parameters())
+    line = check_sequence_length(
+        model, lambda: _call_loss(loss_fn, model, to_tensors(sample, "meta" if on_meta else "cpu")), tp
+    )
+    if not line and on_meta and sum(p.numel() for p in model.parameters()) <= CPU_CHECK_MAX_PARAMS:
+        cpu = build_cpu_model()
+        line = check_sequence_length(cpu, lambda: _call_loss(loss_fn, cpu, to_tensors(sample, "cpu")), tp)
+    return line or "sequence parallel: the sequence length could not be checked on the driver (the forward did not run)"
+
+
 def _call_loss(loss_fn: Callable[..., Any], model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
     with torch.no_grad():
         return loss_fn(model, batch)

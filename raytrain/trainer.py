@@ -600,9 +600,15 @@ class ElasticTrainer:
             torch.manual_seed(self.spec.loop.seed)
             return self.model_fn()
 
-        note = check_loss_fn(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
+        model = build_model_for_check(self.model_fn)
+        note = check_loss_fn(self.loss_fn, model, sample, cpu_model)
         if note:
             say(note)
+        tp = self.spec.parallel.degrees[0]
+        if self.spec.parallel.sequence_parallel and tp > 1:
+            from raytrain.preflight import check_sequence_split
+
+            say(check_sequence_split(self.loss_fn, model, sample, tp, cpu_model))
         pp = self.spec.parallel.degrees[1]
         if pp > 1:
             from raytrain.preflight import check_pipeline

@@ -301,3 +301,42 @@ def test_tensor_parallel_is_checked_on_the_driver(tmp_path: Path) -> None:
     interleaved = ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")  # 2 chunks per stage: 4 virtual stages
     with pytest.raises(ConfigError, match=r"4 pipeline stages \(pp x pp_chunks\) need at least 4 pipeline units"):
         _tp_trainer(tmp_path, parallel=interleaved).check_user_functions()
+
+
+def token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross entropy per sample, for a model returning logits (a tensor, or transformers' output)."""
+    out = model(batch["tokens"])
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    losses = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1), batch["tokens"][:, 1:].flatten(), reduction="none"
+    )
+    return losses.view(len(batch["tokens"]), -1).mean(dim=1)
+
+
+@pytest.mark.parametrize("model", ["DropoutDecoder", "llama"])
+def test_a_sequence_tp_does_not_divide_is_refused_on_the_driver(
+    tmp_path: Path, model: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sequence parallel cuts the hidden states entering the blocks into tp slices: a length tp does not divide
+    fails before any worker, naming the length and a length that works (it failed in every worker's first step
+    before); one it divides is logged with its share per rank. Our decoder calls its blocks with the hidden states
+    as first argument, transformers' Llama its decoder layers."""
+    from user_models import DropoutDecoder, llama
+
+    model_fn = DropoutDecoder if model == "DropoutDecoder" else llama
+    trainer = _tp_trainer(
+        tmp_path,
+        model_fn=model_fn,
+        loss_fn=token_loss,
+        parallel=ParallelConfig(tp=2, sequence_parallel=True),
+        required_columns=("tokens",),
+    )
+    tokens = np.arange(14).reshape(2, 7) % 16
+    blocks = "blocks" if model == "DropoutDecoder" else "model.layers"
+    with pytest.raises(
+        ConfigError, match=rf"entering {blocks}, shape \(2, 7, 32\)\) into tp = 2 slices: its length 7 "
+    ):
+        trainer.check_loss_fn({"tokens": tokens})
+    capsys.readouterr()
+    trainer.check_loss_fn({"tokens": np.arange(16).reshape(2, 8) % 16})
+    assert f"sequence parallel: 8 positions at {blocks}, 4 per tp rank" in capsys.readouterr().out

@@ -17,7 +17,8 @@ So activation memory outside the split layers falls by tp, for one all-gather an
 place of one all-reduce (the same bytes). The model must call each colwise layer's parent module with the hidden
 states as its first positional argument or as `hidden_states=` (transformers' decoders do), and hold its colwise
 layers in such a module below the block (`self_attn`, `mlp`): a block computing attention in its own forward
-(raytrain's toy GPT) sees T / tp positions and is refused. T must be a multiple of tp (checked per micro-batch).
+(raytrain's toy GPT) sees T / tp positions and is refused. T must be a multiple of tp: checked on the driver before
+any worker starts (`check_sequence_length`) and per micro-batch.
 """
 
 from __future__ import annotations
@@ -87,12 +88,55 @@ class _Gather(torch.autograd.Function):
         return _slice(grad, ctx.group), None
 
 
+def hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The hidden states a block or an attention/MLP module is called with: its first positional argument when that
+    is a tensor, else its `hidden_states=` keyword (transformers' decoders); None when neither is."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    found = kwargs.get("hidden_states")
+    return found if isinstance(found, torch.Tensor) else None
+
+
 def _replace_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], change: Any, where: str) -> Any:
     if args and isinstance(args[0], torch.Tensor):
         return (change(args[0]), *args[1:]), kwargs
     if isinstance(kwargs.get("hidden_states"), torch.Tensor):
         return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
     raise ValueError(f"sequence parallel: {where} was called without a tensor as first argument or hidden_states")
+
+
+def check_sequence_length(model: nn.Module, run_forward: Any, tp: int) -> str:
+    """Driver-side: the sequence sequence parallel cuts (dimension 1 of the hidden states entering `model`'s first
+    block) has a length that tp divides. `run_forward()` runs the model once (on the meta device or the CPU, on a
+    few real rows: every batch has the same columns' shapes, so their length is every step's). `ConfigError`
+    naming the length, tp and the fix; returns a line for the log, or "" when the forward did not run (the loss
+    check says why) or never reached the block."""
+    blocks = sequence_blocks(model)
+    container = model.get_submodule(blocks)
+    first = next(block for block in container.children() if not isinstance(block, nn.Identity))
+    seen: list[torch.Tensor | None] = []
+
+    def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not seen:
+            seen.append(hidden_states(args, kwargs))
+
+    handle = first.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        run_forward()
+    except Exception:
+        return ""
+    finally:
+        handle.remove()
+    if not seen or seen[0] is None or seen[0].dim() < 2:
+        return ""
+    shape = tuple(seen[0].shape)
+    if shape[1] % tp:
+        raise ConfigError(
+            f"sequence parallel cuts the sequence (dimension 1 of the hidden states entering {blocks}, shape "
+            f"{shape}) into tp = {tp} slices: its length {shape[1]} is not a multiple of {tp} (make the sequence "
+            f"length a multiple of tp, e.g. {shape[1] + tp - shape[1] % tp}, or set sequence_parallel = false)"
+        )
+    return f"sequence parallel: {shape[1]} positions at {blocks}, {shape[1] // tp} per tp rank"
 
 
 def sequence_blocks(model: nn.Module) -> str:
