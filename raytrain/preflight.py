@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -93,11 +94,14 @@ def check_loss_fn(
     model: nn.Module,
     sample: dict[str, np.ndarray],
     build_cpu_model: Callable[[], nn.Module],
+    watch: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
 ) -> str:
     """Run `loss_fn(model, batch)` on a few real samples, as a worker would, and check it returns one loss per
     sample; `ConfigError` naming the function, what was expected and what came back. `model` may be on the meta
     device (shapes only, no compute); if the call fails there, a real CPU model from `build_cpu_model` (when it
     has at most `CPU_CHECK_MAX_PARAMS` parameters) decides whether the failure is the code's or meta's.
+    `watch(m)`, when given, is entered around each forward with the model it runs (e.g.
+    `raytrain.parallel.sequence.SequenceProbe.watch`: checks that need the same forward do not run another).
     Returns a note for the log ("" when the check ran)."""
     from raytrain.data.materialized import to_tensors
 
@@ -105,7 +109,7 @@ def check_loss_fn(
     columns = sorted(sample)
     on_meta = any(p.is_meta for p in model.parameters())
     try:
-        losses = _call_loss(loss_fn, model, to_tensors(sample, "meta" if on_meta else "cpu"))
+        losses = _call_loss(loss_fn, model, to_tensors(sample, "meta" if on_meta else "cpu"), watch)
     except Exception as err:
         size = sum(p.numel() for p in model.parameters())
         if not on_meta or isinstance(err, KeyError):
@@ -116,7 +120,7 @@ def check_loss_fn(
                 "is too large for a CPU check"
             )
         try:
-            losses = _call_loss(loss_fn, build_cpu_model(), to_tensors(sample, "cpu"))
+            losses = _call_loss(loss_fn, build_cpu_model(), to_tensors(sample, "cpu"), watch)
         except Exception as cpu_err:
             raise _loss_error(loss_fn, cpu_err, rows, columns) from None
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != rows:
@@ -129,32 +133,13 @@ def check_loss_fn(
     return ""
 
 
-def check_sequence_split(
+def _call_loss(
     loss_fn: Callable[..., Any],
     model: nn.Module,
-    sample: dict[str, np.ndarray],
-    tp: int,
-    build_cpu_model: Callable[[], nn.Module],
-) -> str:
-    """With sequence parallel at `tp`: one forward of `loss_fn` on `sample` (as `check_loss_fn`: on the meta model,
-    else a CPU model of at most `CPU_CHECK_MAX_PARAMS` parameters) shows the sequence length where the blocks cut
-    it, which tp must divide (`raytrain.parallel.sequence.check_sequence_length`: `ConfigError` otherwise).
-    Returns a line for the log."""
-    from raytrain.data.materialized import to_tensors
-    from raytrain.parallel.sequence import check_sequence_length
-
-    on_meta = any(p.is_meta for p in model.parameters())
-    line = check_sequence_length(
-        model, lambda: _call_loss(loss_fn, model, to_tensors(sample, "meta" if on_meta else "cpu")), tp
-    )
-    if not line and on_meta and sum(p.numel() for p in model.parameters()) <= CPU_CHECK_MAX_PARAMS:
-        cpu = build_cpu_model()
-        line = check_sequence_length(cpu, lambda: _call_loss(loss_fn, cpu, to_tensors(sample, "cpu")), tp)
-    return line or "sequence parallel: the sequence length could not be checked on the driver (the forward did not run)"
-
-
-def _call_loss(loss_fn: Callable[..., Any], model: nn.Module, batch: dict[str, torch.Tensor]) -> Any:
-    with torch.no_grad():
+    batch: dict[str, torch.Tensor],
+    watch: Callable[[nn.Module], AbstractContextManager[Any]] | None = None,
+) -> Any:
+    with torch.no_grad(), watch(model) if watch is not None else nullcontext():
         return loss_fn(model, batch)
 
 

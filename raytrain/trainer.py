@@ -600,15 +600,19 @@ class ElasticTrainer:
             torch.manual_seed(self.spec.loop.seed)
             return self.model_fn()
 
-        model = build_model_for_check(self.model_fn)
-        note = check_loss_fn(self.loss_fn, model, sample, cpu_model)
+        tp = self.spec.parallel.degrees[0]
+        probe = None
+        if self.spec.parallel.sequence_parallel and tp > 1:  # the length it cuts, seen in the same forward
+            from raytrain.parallel.sequence import SequenceProbe
+
+            probe = SequenceProbe(tp)
+        note = check_loss_fn(
+            self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model, probe.watch if probe else None
+        )
         if note:
             say(note)
-        tp = self.spec.parallel.degrees[0]
-        if self.spec.parallel.sequence_parallel and tp > 1:
-            from raytrain.preflight import check_sequence_split
-
-            say(check_sequence_split(self.loss_fn, model, sample, tp, cpu_model))
+        if probe is not None:
+            say(probe.verdict())
         pp = self.spec.parallel.degrees[1]
         if pp > 1:
             from raytrain.preflight import check_pipeline

@@ -18,13 +18,14 @@ place of one all-reduce (the same bytes). The model must call each colwise layer
 states as its first positional argument or as `hidden_states=` (transformers' decoders do), and hold its colwise
 layers in such a module below the block (`self_attn`, `mlp`): a block computing attention in its own forward
 (raytrain's toy GPT) sees T / tp positions and is refused. T must be a multiple of tp: checked on the driver before
-any worker starts (`check_sequence_length`) and per micro-batch.
+any worker starts (`SequenceProbe`, in the loss check's forward) and per micro-batch.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -98,45 +99,54 @@ def hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 
 
 def _replace_hidden(args: tuple[Any, ...], kwargs: dict[str, Any], change: Any, where: str) -> Any:
-    if args and isinstance(args[0], torch.Tensor):
-        return (change(args[0]), *args[1:]), kwargs
-    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-        return args, {**kwargs, "hidden_states": change(kwargs["hidden_states"])}
-    raise ValueError(f"sequence parallel: {where} was called without a tensor as first argument or hidden_states")
+    hidden = hidden_states(args, kwargs)
+    if hidden is None:
+        raise ValueError(f"sequence parallel: {where} was called without a tensor as first argument or hidden_states")
+    if args and args[0] is hidden:
+        return (change(hidden), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": change(hidden)}
 
 
-def check_sequence_length(model: nn.Module, run_forward: Any, tp: int) -> str:
-    """Driver-side: the sequence sequence parallel cuts (dimension 1 of the hidden states entering `model`'s first
-    block) has a length that tp divides. `run_forward()` runs the model once (on the meta device or the CPU, on a
-    few real rows: every batch has the same columns' shapes, so their length is every step's). `ConfigError`
-    naming the length, tp and the fix; returns a line for the log, or "" when the forward did not run (the loss
-    check says why) or never reached the block."""
-    blocks = sequence_blocks(model)
-    container = model.get_submodule(blocks)
-    first = next(block for block in container.children() if not isinstance(block, nn.Identity))
-    seen: list[torch.Tensor | None] = []
+class SequenceProbe:
+    """Driver-side: the length of the sequence that sequence parallel cuts (dimension 1 of the hidden states
+    entering the model's first block), seen during the forwards it `watch`es (the loss check's, on a few real
+    rows: every batch has the same columns' shapes, so that length is every step's), and whether `tp` divides it."""
 
-    def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not seen:
-            seen.append(hidden_states(args, kwargs))
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+        self.blocks = ""
+        self.shape: tuple[int, ...] | None = None
 
-    handle = first.register_forward_pre_hook(record, with_kwargs=True)
-    try:
-        run_forward()
-    except Exception:
-        return ""
-    finally:
-        handle.remove()
-    if not seen or seen[0] is None or seen[0].dim() < 2:
-        return ""
-    shape = tuple(seen[0].shape)
-    if shape[1] % tp:
-        raise ConfigError(
-            f"sequence parallel cuts the sequence (dimension 1 of the hidden states entering {blocks}, shape "
-            f"{shape}) into tp = {tp} slices: its length {shape[1]} is not a multiple of {tp} (make the sequence "
-            f"length a multiple of tp, e.g. {shape[1] + tp - shape[1] % tp}, or set sequence_parallel = false)"
-        )
-    return f"sequence parallel: {shape[1]} positions at {blocks}, {shape[1] // tp} per tp rank"
+    @contextmanager
+    def watch(self, model: nn.Module) -> Iterator[None]:
+        """Record the hidden states' shape entering `model`'s first block while the context is open."""
+        self.blocks = sequence_blocks(model)
+        first = next(b for b in model.get_submodule(self.blocks).children() if not isinstance(b, nn.Identity))
+
+        def record(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden = hidden_states(args, kwargs)
+            if hidden is not None and hidden.dim() >= 2:
+                self.shape = tuple(hidden.shape)
+
+        handle = first.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def verdict(self) -> str:
+        """A line for the log; `ConfigError` naming the length, tp and a length that works when tp does not divide
+        it."""
+        if self.shape is None:
+            return "sequence parallel: the sequence length could not be checked on the driver (the forward did not run)"
+        length, tp = self.shape[1], self.tp
+        if length % tp:
+            raise ConfigError(
+                f"sequence parallel cuts the sequence (dimension 1 of the hidden states entering {self.blocks}, shape "
+                f"{self.shape}) into tp = {tp} slices: its length {length} is not a multiple of {tp} (make the "
+                f"sequence length a multiple of tp, e.g. {length + tp - length % tp}, or set sequence_parallel = false)"
+            )
+        return f"sequence parallel: {length} positions at {self.blocks}, {length // tp} per tp rank"
 
 
 def sequence_blocks(model: nn.Module) -> str:
