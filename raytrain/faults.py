@@ -7,7 +7,9 @@ a lost node would) at a chosen rank, step and phase, once.
 Phases: forward (before a micro-step's forward), backward (between forward and backward), optimizer (after the
 last backward, before the update), checkpoint (the checkpoint of the step begun: the shard copied, its files
 being written in the background, not yet reported), report (that checkpoint reported, not yet committed; this
-happens after a later step). "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
+happens after a later step). Live mode (`raytrain.live.worker`) has the same phases; its checkpoint is the
+quorum's rank 0 about to send a live checkpoint to the run's log, its report just after sending it; its rank and
+world are the step's quorum rank and participants. "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
 checkpoint and report the step of the checkpoint; a fault
 for rank r fires on rank r % W. Each fault fires once per run: the firing rank records it in
 `<run>/faults_fired.jsonl` before it dies, so the replay of that step after the restart goes through. Without the
@@ -103,11 +105,14 @@ def arm(run_dir: str | None, rank: int, world_size: int) -> None:
         _injector["active"] = Injector(parse_faults(text), run_dir, rank, world_size)
 
 
-def at_step(step: int) -> None:
-    """The loop is training optimizer step `step` (1-based) now."""
+def at_step(step: int, rank: int | None = None, world_size: int | None = None) -> None:
+    """The loop is training optimizer step `step` (1-based) now; live mode also passes the step's rank and world
+    (its quorum's), which change from step to step."""
     injector = _injector.get("active")
     if injector is not None:
         injector.step = step
+        if rank is not None and world_size is not None:
+            injector.rank, injector.world_size = rank, world_size
 
 
 def fault_point(phase: str, step: int | None = None) -> None:

@@ -89,7 +89,7 @@ def _replica(
             micro = ({k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts))
             die = kill and share.step >= KILL_FROM
             committed = replica.train_step(
-                share, micro, _loss, fault=(lambda: os._exit(9)) if die else lambda: None
+                share, micro, _loss, fault=lambda phase: os._exit(9) if die and phase == "optimizer" else None
             ).committed
             record = {"pid": os.getpid(), "step": share.step, "participants": share.participants}
             record |= {"rank": share.rank, "ids": [int(i) for i in columns["id"][rows]], "committed": committed}

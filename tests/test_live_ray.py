@@ -3,7 +3,7 @@ Ray (a fake-node cluster per run), real torchft replica groups and lighthouse, r
 
 Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
 every step trains exactly the global batch; the audit is clean; the loss equals the fixed-size live run's step by
-step. A kill of the only replica: live mode cannot go on, falls back to a restart from its newest live checkpoint
+step. A kill of the only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest live checkpoint
 (one line says why), and the curve is still the fixed-size one.
 """
 
@@ -77,7 +77,14 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(
     tmp_path: Path, live_fixed: dict[str, Any]
 ) -> None:
-    summary = demo(tmp_path, "fallback", *LIVE, *PACED, "--nodes", "1", "--workers", "1", "--events", "kill@12")
+    # the kill comes from inside the replica (`raytrain.faults`, as in the restart path's fault tests), mid-step:
+    # between a micro-batch's forward and its backward
+    summary = demo(
+        tmp_path, "fallback", *LIVE, *PACED, "--nodes", "1", "--workers", "1", "--events", "none",
+        "--faults", "0:12:backward",
+    )  # fmt: skip
+    (fired,) = read_jsonl(str(Path(summary["run_dir"]) / "faults_fired.jsonl"))
+    assert fired == {"fault": 0, "rank": 0, "step": 12, "phase": "backward"}
     check_invariants(summary, STEPS)
     assert_same_curve(summary, losses(live_fixed))
     live = summary["live"]

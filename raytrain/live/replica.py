@@ -183,14 +183,15 @@ class LiveReplica:
         share: LiveShare,
         micro_batches: Iterator[dict[str, torch.Tensor]],
         loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-        fault: Callable[[], None] = lambda: None,
+        fault: Callable[[str], None] = lambda phase: None,
         max_grad_norm: float | None = None,
     ) -> LiveStep:
         """Forward/backward of `share`'s micro-batches (the per-sample losses times `share.loss_scale`), the
         gradients of the trainable parameters averaged over the participants, and then, if this replica group
         commits (torchft's `should_commit`) and the averaged loss and gradient are finite: clipping to
         `max_grad_norm` (the norm of the averaged gradient, the same on every replica) and the optimizer step.
-        `fault` is called between the backward and the gradient all-reduce (tests kill a replica there)."""
+        `fault(phase)` is called between each forward and its backward ("backward") and between the last backward
+        and the gradient all-reduce ("optimizer"): where `raytrain.faults` and the tests kill a replica."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=False)
         for p in params:
@@ -199,9 +200,10 @@ class LiveReplica:
         local = 0.0
         for batch in micro_batches:
             losses = loss_fn(self.model, batch)
+            fault("backward")
             (losses.sum() * share.loss_scale).backward()
             local += float(losses.detach().sum())
-        fault()
+        fault("optimizer")
         loss = torch.tensor([local * share.loss_scale], dtype=torch.float64)  # averaged over P: sum / B
         works = [self.manager.allreduce(t) for t in (*(p.grad for p in params if p.grad is not None), loss)]
         for work in works:

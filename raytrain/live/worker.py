@@ -20,7 +20,9 @@ import numpy as np
 import torch
 
 from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
+from raytrain import faults
 from raytrain.errors import NonFiniteError
+from raytrain.faults import fault_point
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
 from raytrain.rng import MicroBatchSeeds
 from raytrain.worker_loop import WorkerJob, build_model, settle_heap
@@ -114,6 +116,7 @@ class LiveWorker:
             sample_in_epoch=0,
         )
         self._orders: dict[int, np.ndarray] = {}
+        faults.arm(job.run_dir, 0, 1)  # RAYTRAIN_FAULTS: rank and world are each step's quorum's (`at_step`)
         settle_heap()  # as the restart path's start does: no full collection mid-step
 
     def whoami(self) -> tuple[int, str, int]:
@@ -135,6 +138,7 @@ class LiveWorker:
         as the restart path seeds it (`raytrain.rng`)."""
         for j, (a, b) in enumerate(itertools.pairwise(cuts)):
             seeds(j)
+            fault_point("forward")
             yield to_tensors({k: v[mine[a:b]] for k, v in self.columns.items()}, "cpu")
 
     def lr_at(self, step: int) -> float:
@@ -174,10 +178,13 @@ class LiveWorker:
                 micro = self._micro_batches(
                     mine, cuts, MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None)
                 )
+                faults.at_step(step + 1, quorum.rank, quorum.participants)
                 lr = self.lr_at(step)
                 set_lr(self.optimizer, self.ratios, lr)
                 started = time.perf_counter()
-                result = self.replica.train_step(share, micro, self.job.loss_fn, max_grad_norm=spec.loop.max_grad_norm)
+                result = self.replica.train_step(
+                    share, micro, self.job.loss_fn, fault=fault_point, max_grad_norm=spec.loop.max_grad_norm
+                )
                 outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step
                 outcome.last_step = step + 1
                 if not result.committed:
@@ -232,6 +239,7 @@ class LiveWorker:
         ids = self.ids[positions] if spec.loop.audit_samples else None
         self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
         if rank == 0 and (done % spec.checkpoint.every_steps == 0 or done == self.total_steps):
+            fault_point("checkpoint")
             self.log.checkpoint.remote(
                 self.settings.group,
                 done,
@@ -239,6 +247,7 @@ class LiveWorker:
                 sample_in_epoch + len(positions),
                 {k: _cpu(v) for k, v in self.replica.state_dict().items()},
             )
+            fault_point("report")
 
 
 def _cpu(value: Any) -> Any:

@@ -1,0 +1,270 @@
+"""python benchmarks/goodput.py [--quick] [--only bare,restart,live]
+
+Goodput: the share of the wall time that trains, when a training process is SIGKILLed every 50 steps. One model and
+data set, three ways to recover, in one run:
+    bare      a hand-written Ray Train loop, the usual recipe: `TorchTrainer` with `FailureConfig(max_failures)`,
+              DDP, a `torch.save` checkpoint of model and optimizer on rank 0 reported every 10 steps, resume
+              from `ray.train.get_checkpoint()`; Ray Train restarts the worker group after a kill
+    restart   raytrain's `ElasticTrainer` with `ClusterConfig(recovery="restart")` (the default): Ray Train restarts
+              the group, raytrain resumes from its newest checkpoint (DCP, written in the background)
+    live      the same trainer with `recovery="live"`: torchft replica groups; the survivor finishes the step with
+              the same global batch and goes on, a replacement heals from it and joins
+Same for all three: `raytrain.toy.block_mlp(64, 1024, 2)` (8.5 M parameters; AdamW's state makes a checkpoint
+~100 MB), `raytrain.toy.regression_arrays` (64 features, 50 steps per epoch), global batch 1024 in micro-batches of
+128, W = 2 CPU workers (gloo, one thread each: about 0.35 s of matrix multiplies per step at W = 2, no sleep), 200
+steps, a checkpoint every 10 steps, one local Ray instance. The kills are the same event in every variant:
+`raytrain.faults` (RAYTRAIN_FAULTS) makes rank 1, then 0, then 1 SIGKILL itself before the forward of steps 50, 100
+and 150; the bare loop calls the same fault points.
+
+From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
+trained again after a restart is counted once, when it first finished beyond the old group's furthest step):
+    step s          the fault-free median step time: the median interval between steps 6 .. 49 (before any kill)
+    goodput         (n - 5) x step s / (t_n - t_5): the steps' worth of fault-free training in the wall time from
+                    step 5 to the last step. Starts are excluded (`start_overhead_s` in overhead.py measures them);
+                    every kill's detection, restart, reload, steps trained again, and the slower steps of a smaller
+                    world until the replacement joins are inside.
+    lost s / kill   (t_n - t_5 - (n - 5) x step s) / kills
+Keys: goodput_bare, goodput_restart, goodput_live. `goodput_live_hsdp` (live mode with sharded replica groups) is
+not measured: live mode runs ddp replicas only. One repetition per run (`run_all.py` runs it three times and
+reports min/median/max); the variants rotate their order per repetition. Timings depend on the machine's load (its
+load average is printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from _common import first_rep, machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
+
+FEATURES, WIDTH, BLOCKS = 64, 1024, 2
+GLOBAL_BATCH, MICRO_BATCH, WORKERS = 1024, 128, 2
+EPOCH_STEPS, EVERY, SKIP, LR, SEED = 50, 10, 5, 1e-3, 0
+VARIANTS = ("bare", "restart", "live")
+
+
+def kill_plan(steps: int, every: int) -> str:
+    """RAYTRAIN_FAULTS for a kill before the forward of every `every`-th step (not the last), ranks 1, 0, 1, ..."""
+    return ",".join(f"{(i + 1) % 2}:{s}:forward" for i, s in enumerate(range(every, steps, every)))
+
+
+# ---------------------------------------------------------------- bare Ray Train
+
+
+def bare_train_func(config: dict[str, Any]) -> None:
+    """The usual Ray Train loop for this model: DDP, each rank its contiguous half of the step's global batch (an
+    epoch order drawn from (seed, epoch)), DDP `no_sync` on all but the last micro-batch, a checkpoint every
+    `every` steps saved by rank 0 and reported by every rank; resumes from Ray Train's latest checkpoint. Rank 0
+    appends {"step", "time"} to `marks` after each step. The kills: `raytrain.faults`' fault points, as in
+    raytrain's loop."""
+    import contextlib
+
+    import numpy as np
+    import ray.train
+    import torch
+    from ray.train import Checkpoint
+    from torch import nn
+
+    from raytrain import faults
+    from raytrain.toy import adamw, block_mlp, regression_arrays
+
+    torch.set_num_threads(1)
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    torch.manual_seed(SEED)
+    model = nn.parallel.DistributedDataParallel(block_mlp(FEATURES, WIDTH, BLOCKS))
+    optimizer = adamw(model.parameters(), LR)
+    step = 0
+    latest = ray.train.get_checkpoint()
+    if latest is not None:
+        with latest.as_directory() as directory:
+            state = torch.load(os.path.join(directory, "state.pt"), weights_only=True)
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optim"])
+        step = int(state["step"])
+    columns = regression_arrays(GLOBAL_BATCH * EPOCH_STEPS, FEATURES, SEED)
+    x_all, y_all = torch.from_numpy(columns["x"]), torch.from_numpy(columns["y"])
+    os.environ[faults.ENV] = config["faults"]
+    faults.arm(config["run_dir"], rank, world)
+    share = GLOBAL_BATCH // world
+    orders: dict[int, np.ndarray] = {}
+    while step < config["steps"]:
+        faults.at_step(step + 1)
+        epoch, position = divmod(step, EPOCH_STEPS)
+        if epoch not in orders:
+            orders = {epoch: np.random.default_rng((SEED, epoch)).permutation(len(y_all))}
+        mine = orders[epoch][position * GLOBAL_BATCH + rank * share :][:share]
+        optimizer.zero_grad()
+        for start in range(0, share, MICRO_BATCH):
+            rows = torch.from_numpy(mine[start : start + MICRO_BATCH])
+            last = start + MICRO_BATCH >= share
+            faults.fault_point("forward")
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = ((model(x_all[rows]) - y_all[rows]) ** 2).sum() * world / GLOBAL_BATCH
+                loss.backward()
+        optimizer.step()
+        step += 1
+        if rank == 0:
+            with open(config["marks"], "a") as f:
+                f.write(json.dumps({"step": step, "time": time.time()}) + "\n")
+        if step % EVERY == 0 or step == config["steps"]:
+            with tempfile.TemporaryDirectory() as directory:
+                checkpoint = None
+                if rank == 0:
+                    state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(), "step": step}
+                    torch.save(state, os.path.join(directory, "state.pt"))
+                    checkpoint = Checkpoint.from_directory(directory)
+                ray.train.report({"step": step}, checkpoint=checkpoint)
+
+
+def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str, Any]], int]:
+    """One bare Ray Train run: rank 0's step records, and the steps trained again (each restart's steps since the
+    checkpoint it resumed from, recorded again)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    run_dir = os.path.join(storage, name)
+    os.makedirs(run_dir)
+    marks = os.path.join(run_dir, "marks.jsonl")
+    TorchTrainer(
+        bare_train_func,
+        train_loop_config={"marks": marks, "steps": steps, "faults": kills, "run_dir": run_dir},
+        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(max_failures=10)),
+    ).fit()
+    records = read_jsonl(marks)
+    return records, len(records) - len({r["step"] for r in records})
+
+
+# ---------------------------------------------------------------- raytrain
+
+
+def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str) -> tuple[list[dict[str, Any]], int]:
+    """One ElasticTrainer run (`recovery` "restart" or "live"): rank 0's metrics.jsonl (each step once), and the
+    steps trained again (restart: each group's restored step to the furthest step before it; live: the attempts
+    the survivors redid after a kill, as the demo counts them)."""
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+    from raytrain.toy import adamw, block_mlp_factory, regression_dataset, squared_error
+    from raytrain.trainer import ElasticTrainer
+
+    os.environ["RAYTRAIN_FAULTS"] = kills  # the workers get it with the job
+    try:
+        trainer = ElasticTrainer(
+            model_fn=block_mlp_factory(FEATURES, WIDTH, BLOCKS),
+            loss_fn=squared_error,
+            optimizer_fn=adamw,
+            datasets={"train": regression_dataset(GLOBAL_BATCH * EPOCH_STEPS, FEATURES, seed=SEED)},
+            batch=BatchConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH),
+            lr=LRConfig(base_lr=LR),
+            loop=LoopConfig(epochs=None, max_steps=steps, seed=SEED, id_column="id", log_every=10**6),
+            checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=EVERY, keep=2),
+            cluster=ClusterConfig(min_workers=1, max_workers=WORKERS, max_failures=10, recovery=recovery),
+            required_columns=("x", "y"),
+        )
+        result = trainer.fit()
+    finally:
+        os.environ.pop("RAYTRAIN_FAULTS", None)
+    metrics = read_jsonl(result.metrics_path)
+    if recovery == "live":
+        live = trainer.live_run.result
+        redone = {step for outcome in live.outcomes for step in outcome.failed_steps}
+        return metrics, len(redone) + sum(max(0, f["at_step"] - f["restored_step"]) for f in live.fallbacks)
+    retrained = 0
+    for start in read_jsonl(result.events_path)[1:]:
+        reached = max((m["step"] for m in metrics if m["time"] < start["time"]), default=0)
+        retrained += max(0, reached - start["step"])
+    return metrics, retrained
+
+
+# ---------------------------------------------------------------- the figures
+
+
+def goodput(records: list[dict[str, Any]], steps: int, first_kill: int) -> dict[str, float]:
+    """Pure: the figures of one run from rank 0's step records ({"step", "time"}, in the order written; a step
+    written again after a restart counts at its first time). Raises `ValueError` if the run did not reach step
+    `steps`."""
+    finished: dict[int, float] = {}
+    for record in records:
+        finished.setdefault(int(record["step"]), float(record["time"]))
+    if max(finished, default=0) < steps:
+        raise ValueError(f"the run ended at step {max(finished, default=0)} of {steps}")
+    # a step's time is when it was first finished; later steps were finished later (the loop is sequential)
+    times = [finished[s] for s in range(1, steps + 1)]
+    before = times[SKIP - 1 : first_kill - 1]  # steps SKIP .. first_kill - 1: no kill yet
+    step_s = median([b - a for a, b in itertools.pairwise(before)])
+    wall = times[-1] - times[SKIP - 1]
+    trained = (steps - SKIP) * step_s
+    return {"step_s": step_s, "wall_s": wall, "goodput": trained / wall, "lost_s": wall - trained}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="60 steps, one kill at step 30 (a smoke run)")
+    parser.add_argument("--only", default=",".join(VARIANTS), help="variants to run (default: all three)")
+    parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
+    args = parser.parse_args()
+    steps, every = (60, 30) if args.quick else (200, 50)
+    variants = [v for v in VARIANTS if v in args.only.split(",")]
+    unknown = set(args.only.split(",")) - set(VARIANTS)
+    if unknown or not variants:
+        parser.error(f"--only takes some of {', '.join(VARIANTS)}, got {args.only!r}")
+    kills = kill_plan(steps, every)
+    shift = first_rep() % len(variants)
+    order = variants[shift:] + variants[:shift]
+    storage = args.storage or tempfile.mkdtemp(prefix="raytrain-goodput-")
+    print(machine_line(), flush=True)
+    start_ray()
+    found: dict[str, dict[str, Any]] = {}
+    for variant in order:
+        began = time.perf_counter()
+        records, retrained = (
+            bare(storage, variant, steps, kills)
+            if variant == "bare"
+            else raytrain_run(storage, variant, steps, kills, variant)
+        )
+        found[variant] = {
+            **goodput(records, steps, every),
+            "retrained": retrained,
+            "run_s": time.perf_counter() - began,
+        }
+        print(f"  done {variant}: {found[variant]}", flush=True)
+    print(machine_line())
+    stop_ray()
+    count = len(kills.split(","))
+    print(
+        f"\nGoodput: block_mlp({FEATURES}, {WIDTH}, {BLOCKS}), W = {WORKERS}, global batch {GLOBAL_BATCH}, {steps} "
+        f"steps, a checkpoint every {EVERY} steps, {count} SIGKILL(s) ({kills})"
+    )
+    print(
+        table(
+            ["variant", "step s", f"wall s (steps {SKIP}-{steps})", "goodput", "lost s / kill", "steps trained again"],
+            [
+                [v, r["step_s"], r["wall_s"], r["goodput"], r["lost_s"] / count, r["retrained"]]
+                for v, r in found.items()
+            ],
+        )
+    )
+    step_s = median([r["step_s"] for r in found.values()])
+    print(
+        f"a kill every {every} steps = one every {every * step_s:.0f} s of training here (torchft reports 81 % at "
+        "one failure a minute on its own setup)"
+    )
+    headline: dict[str, Any] = {f"goodput_{v}": round(r["goodput"], 4) for v, r in found.items()}
+    headline |= {f"goodput_lost_s_per_kill_{v}": round(r["lost_s"] / count, 2) for v, r in found.items()}
+    headline |= {f"goodput_step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
+    headline["goodput_kill_every_s"] = round(every * step_s, 1)
+    if "live" in found and "restart" in found:
+        headline["goodput_live_over_restart"] = round(found["live"]["goodput"] / found["restart"]["goodput"], 3)
+    headline["settings"] = {"steps": steps, "kills": kills, "checkpoint_every_steps": EVERY, "workers": WORKERS}
+    print_headline(headline)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
