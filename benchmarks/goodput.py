@@ -147,8 +147,9 @@ def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str
 
 def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str) -> tuple[list[dict[str, Any]], int]:
     """One ElasticTrainer run (`recovery` "restart" or "live"): rank 0's metrics.jsonl (each step once), and the
-    steps trained again (restart: each group's restored step to the furthest step before it; live: the attempts
-    the survivors redid after a kill, as the demo counts them)."""
+    steps trained again (restart: from each kill's step back to the checkpoint the next group resumed from; live:
+    the attempts the survivors redid after a kill, and a fallback's steps since its checkpoint, as the demo counts
+    them)."""
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
     from raytrain.toy import adamw, block_mlp_factory, regression_dataset, squared_error
     from raytrain.trainer import ElasticTrainer
@@ -175,11 +176,11 @@ def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str)
         live = trainer.live_run.result
         redone = {step for outcome in live.outcomes for step in outcome.failed_steps}
         return metrics, len(redone) + sum(max(0, f["at_step"] - f["restored_step"]) for f in live.fallbacks)
-    retrained = 0
-    for start in read_jsonl(result.events_path)[1:]:
-        reached = max((m["step"] for m in metrics if m["time"] < start["time"]), default=0)
-        retrained += max(0, reached - start["step"])
-    return metrics, retrained
+    # a kill before step s's forward had finished s - 1 steps; the next group resumed at its checkpoint's step (the
+    # old group's records since its last checkpoint died with it, so metrics.jsonl cannot show them)
+    fired = read_jsonl(os.path.join(os.path.dirname(result.metrics_path), "faults_fired.jsonl"))
+    starts = read_jsonl(result.events_path)[1:]
+    return metrics, sum(f["step"] - 1 - s["step"] for f, s in zip(fired, starts, strict=True))
 
 
 # ---------------------------------------------------------------- the figures

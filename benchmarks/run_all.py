@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "overhead": ["overhead.py", "--reps", "1"],
     "recovery": ["recovery.py"],
     "recovery_live": ["recovery.py", "--live-only"],
+    "goodput": ["goodput.py"],
 }
 GPU_BENCHMARKS: dict[str, list[str]] = {"gpu_check": ["gpu_check.py"], "gpu": ["gpu.py"]}
 

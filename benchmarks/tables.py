@@ -148,6 +148,10 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("recovery_live", "live_kill_pause_s", "live recovery: kill → next committed step, s", None),
     ("recovery_live", "live_heal_s", "live recovery: kill → first step at full size again, s", None),
     ("recovery_live", "live_loss_max_diff", "live recovery: loss vs the run without kills", ("<=", 1e-4)),
+    ("goodput", "goodput_bare", "goodput, a SIGKILL every 50 steps: bare Ray Train, restart from its checkpoint", None),
+    ("goodput", "goodput_restart", "goodput, the same kills: raytrain, recovery restart", None),
+    ("goodput", "goodput_live", "goodput, the same kills: raytrain, recovery live (ddp replicas)", None),
+    ("goodput", "goodput_live_over_restart", "goodput live ÷ goodput restart, same run", None),
 ]
 
 

@@ -4,16 +4,15 @@ a lost node would) at a chosen rank, step and phase, once.
     RAYTRAIN_FAULTS="1:12:backward,0:30:checkpoint"   rank:step:phase, comma-separated
     RAYTRAIN_FAULTS="random:7:5:60"                   5 faults, seeded by 7, at steps 2..60, random ranks and phases
 
-Phases: forward (before a micro-step's forward), backward (between forward and backward), optimizer (after the
-last backward, before the update), checkpoint (the checkpoint of the step begun: the shard copied, its files
-being written in the background, not yet reported), report (that checkpoint reported, not yet committed; this
-happens after a later step). Live mode (`raytrain.live.worker`) has the same phases; its checkpoint is the
-quorum's rank 0 about to send a live checkpoint to the run's log, its report just after sending it; its rank and
-world are the step's quorum rank and participants. "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
-checkpoint and report the step of the checkpoint; a fault
-for rank r fires on rank r % W. Each fault fires once per run: the firing rank records it in
-`<run>/faults_fired.jsonl` before it dies, so the replay of that step after the restart goes through. Without the
-variable every `fault_point` is a no-op (one dictionary lookup).
+Phases: forward (before a micro-step's forward), backward (between forward and backward), optimizer (after the last
+backward, before the update), checkpoint (the checkpoint of the step begun: the shard copied, its files being
+written in the background, not yet reported), report (that checkpoint reported, not yet committed; this happens
+after a later step). Live mode (`raytrain.live.worker`) has the same phases; its checkpoint is the quorum's rank 0
+about to send a live checkpoint to the run's log, its report just after sending it; its rank and world are the
+step's quorum rank and participants. "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
+checkpoint and report the step of the checkpoint; a fault for rank r fires on rank r % W. Each fault fires once per
+run: the firing rank records it in `<run>/faults_fired.jsonl` before it dies, so the replay of that step after the
+restart goes through. Without the variable every `fault_point` is a no-op (one dictionary lookup).
 """
 
 from __future__ import annotations
@@ -74,19 +73,27 @@ class Injector:
     def __init__(self, faults: list[Fault], run_dir: str, rank: int, world_size: int) -> None:
         self.faults, self.run_dir, self.rank, self.world_size = faults, run_dir, rank, world_size
         self.step = 0
-        path = os.path.join(run_dir, FIRED_FILE)
-        fired: set[int] = set()
-        if os.path.exists(path):
-            with open(path) as f:
-                fired = {json.loads(line)["fault"] for line in f if line.strip()}
+        fired = self._fired()
         self.pending = {i: fault for i, fault in enumerate(faults) if i not in fired}
 
+    def _fired(self) -> set[int]:
+        """The faults some process of this run has fired (`FIRED_FILE`)."""
+        path = os.path.join(self.run_dir, FIRED_FILE)
+        if not os.path.exists(path):
+            return set()
+        with open(path) as f:
+            return {json.loads(line)["fault"] for line in f if line.strip()}
+
     def check(self, phase: str, step: int | None = None) -> None:
-        """SIGKILL this process if a pending fault is due here (at `step`, default the step being trained);
-        record it first."""
+        """SIGKILL this process if a pending fault is due here (at `step`, default the step being trained) and no
+        other process of the run fired it since this one was armed (live mode: a survivor redoing the step a
+        killed replica died in, now at another rank); record it first."""
         step = self.step if step is None else step
         for index, fault in list(self.pending.items()):
             if fault.step == step and fault.phase == phase and fault.rank % self.world_size == self.rank:
+                if index in self._fired():
+                    del self.pending[index]
+                    continue
                 with open(os.path.join(self.run_dir, FIRED_FILE), "a") as f:
                     f.write(json.dumps({"fault": index, "rank": self.rank, "step": step, "phase": phase}) + "\n")
                     f.flush()

@@ -48,6 +48,11 @@ def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (model(batch["x"]) - batch["y"]) ** 2
 
 
+def _die_before_the_all_reduce(phase: str) -> None:
+    if phase == "optimizer":
+        os._exit(9)
+
+
 def _weights(model: nn.Module) -> list[float]:
     return [float(v) for v in torch.cat([p.detach().reshape(-1) for p in model.parameters()])]
 
@@ -89,7 +94,7 @@ def _replica(
             micro = ({k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts))
             die = kill and share.step >= KILL_FROM
             committed = replica.train_step(
-                share, micro, _loss, fault=lambda phase: os._exit(9) if die and phase == "optimizer" else None
+                share, micro, _loss, fault=_die_before_the_all_reduce if die else lambda phase: None
             ).committed
             record = {"pid": os.getpid(), "step": share.step, "participants": share.participants}
             record |= {"rank": share.rank, "ids": [int(i) for i in columns["id"][rows]], "committed": committed}

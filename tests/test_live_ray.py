@@ -1,10 +1,10 @@
-"""Live recovery under Ray (`raytrain demo --recovery live`, `ClusterConfig(recovery="live")`), end to end: real
-Ray (a fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
+"""Live recovery under Ray (`raytrain demo --recovery live`, `ClusterConfig(recovery="live")`), end to end: real Ray (a
+fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
 
 Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
 every step trains exactly the global batch; the audit is clean; the loss equals the fixed-size live run's step by
-step. A kill of the only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest live checkpoint
-(one line says why), and the curve is still the fixed-size one.
+step. A kill of the only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a
+restart from its newest live checkpoint (one line says why), and the curve is still the fixed-size one.
 """
 
 from __future__ import annotations

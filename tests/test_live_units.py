@@ -244,3 +244,45 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
         replica.shutdown()
     finally:
         lighthouse.shutdown()
+
+
+def _survivor(run_dir: str, armed: Any, go: Any) -> None:
+    from raytrain import faults
+
+    faults.arm(run_dir, 0, 2)  # armed while both replicas live: the fault is pending here too
+    armed.set()
+    go.wait(60)
+    faults.at_step(30, 0, 1)  # the survivor redoes step 30 alone: rank 1 % 1 == 0 would match it
+    faults.fault_point("forward")
+
+
+def _killed(run_dir: str) -> None:
+    from raytrain import faults
+
+    faults.arm(run_dir, 1, 2)
+    faults.at_step(30, 1, 2)
+    faults.fault_point("forward")
+
+
+def test_a_fault_fires_once_in_a_live_run_not_again_in_the_survivor_that_redoes_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Live replicas are armed once and live on: a survivor must see that another replica fired the fault."""
+    import multiprocessing
+    import signal
+
+    monkeypatch.setenv("RAYTRAIN_FAULTS", "1:30:forward")
+    context = multiprocessing.get_context("fork")
+    armed, go = context.Event(), context.Event()
+    survivor = context.Process(target=_survivor, args=(str(tmp_path), armed, go))
+    survivor.start()
+    assert armed.wait(60)
+    killed = context.Process(target=_killed, args=(str(tmp_path),))
+    killed.start()
+    killed.join(60)
+    go.set()
+    survivor.join(60)
+    assert killed.exitcode == -signal.SIGKILL
+    assert survivor.exitcode == 0
+    fired = [json.loads(line) for line in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
+    assert fired == [{"fault": 0, "rank": 1, "step": 30, "phase": "forward"}]

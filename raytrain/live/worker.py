@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
 from raytrain import faults
+from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
