@@ -286,3 +286,26 @@ def test_a_fault_fires_once_in_a_live_run_not_again_in_the_survivor_that_redoes_
     assert survivor.exitcode == 0
     fired = [json.loads(line) for line in (tmp_path / "faults_fired.jsonl").read_text().splitlines()]
     assert fired == [{"fault": 0, "rank": 1, "step": 30, "phase": "forward"}]
+
+
+def test_a_packed_checkpoint_state_unpacks_exactly_and_is_a_copy() -> None:
+    """What a replica sends the log (`pack_state`): every dtype and shape back exactly, other values as they were,
+    and a snapshot: the step after it cannot change it."""
+    from raytrain.live.log import PackedTensor, pack_state, unpack_state
+
+    weight = torch.randn(3, 4)
+    before = weight.clone()
+    state = {
+        "model": {"w": weight, "t": weight.t(), "half": torch.randn(5).to(torch.bfloat16)},
+        "optim": {"state": {0: {"step": torch.tensor(7.0), "ids": torch.arange(4)}}, "param_groups": [{"lr": 0.1}]},
+        "manager": {"step": 7, "batches_committed": 14},
+    }
+    packed = pack_state(state)
+    assert isinstance(packed["model"]["w"], PackedTensor) and packed["manager"] == state["manager"]
+    weight.add_(1.0)  # the next optimizer step
+    back = unpack_state(packed)
+    assert torch.equal(back["model"]["w"], before) and torch.equal(back["model"]["t"], before.t())
+    assert back["model"]["half"].dtype == torch.bfloat16 and torch.equal(back["model"]["half"], state["model"]["half"])
+    assert back["optim"]["state"][0]["step"].shape == () and float(back["optim"]["state"][0]["step"]) == 7.0
+    assert torch.equal(back["optim"]["state"][0]["ids"], torch.arange(4))
+    assert back["optim"]["param_groups"] == [{"lr": 0.1}]

@@ -15,9 +15,10 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from raytrain.checkpoint import TrainState
@@ -25,6 +26,41 @@ from raytrain.rank0 import Rank0Log, resize_line
 
 CHECKPOINT_PREFIX = "live-checkpoint-"
 LIVE_EVENTS_FILE = "live.jsonl"  # membership of the live replicas: joined, lost, fallback (one JSON line each)
+
+
+@dataclass(frozen=True)
+class PackedTensor:
+    """A tensor as a live checkpoint travels to the log: its bytes as a numpy array (which Ray ships out of band,
+    one copy into the object store, where pickling a torch tensor copies it through pickle), its dtype and shape."""
+
+    data: np.ndarray
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def pack_state(value: Any) -> Any:
+    """A state dict's copy for a fire-and-forget call to the log: every tensor copied (detached from training,
+    so the next step cannot change the checkpoint) and packed as a `PackedTensor`; other values as they are.
+    `unpack_state` inverts it exactly, for every dtype (bfloat16 included)."""
+    if isinstance(value, torch.Tensor):
+        copy = value.detach().to("cpu", copy=True).contiguous()
+        return PackedTensor(copy.reshape(-1).view(torch.uint8).numpy(), copy.dtype, tuple(copy.shape))
+    if isinstance(value, dict):
+        return {k: pack_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(pack_state(v) for v in value)
+    return value
+
+
+def unpack_state(value: Any) -> Any:
+    """`pack_state`'s inverse: the tensors back, each in memory of its own (writable, not the object store's)."""
+    if isinstance(value, PackedTensor):
+        return torch.from_numpy(value.data.copy()).view(value.dtype).reshape(value.shape)
+    if isinstance(value, dict):
+        return {k: unpack_state(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(unpack_state(v) for v in value)
+    return value
 
 
 def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
@@ -131,14 +167,14 @@ class LiveLog:
 
     def checkpoint(self, group: int, step: int, epoch: int, sample_in_epoch: int, state: dict[str, Any]) -> None:
         """Write group `group`'s live checkpoint of `step` (the data position of the NEXT step: epoch,
-        sample_in_epoch) and keep the newest `keep`."""
+        sample_in_epoch; `state` as `pack_state` made it) and keep the newest `keep`."""
         final = os.path.join(self.run_dir, f"{CHECKPOINT_PREFIX}{step:08d}")
         if group != self.group or os.path.exists(final):
             return
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        torch.save(state, os.path.join(partial, "state.pt"))
+        torch.save(unpack_state(state), os.path.join(partial, "state.pt"))
         train_state = TrainState(
             step=step,
             epoch=epoch,

@@ -23,6 +23,7 @@ from raytrain import faults
 from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
+from raytrain.live.log import pack_state
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
 from raytrain.rng import MicroBatchSeeds
 from raytrain.worker_loop import WorkerJob, build_model, settle_heap
@@ -245,17 +246,6 @@ class LiveWorker:
                 done,
                 epoch,
                 sample_in_epoch + len(positions),
-                {k: _cpu(v) for k, v in self.replica.state_dict().items()},
+                pack_state(self.replica.state_dict()),
             )
             fault_point("report")
-
-
-def _cpu(value: Any) -> Any:
-    """A state dict detached from the training tensors (the copy a fire-and-forget call ships)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cpu(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_cpu(v) for v in value]
-    return value
