@@ -140,6 +140,18 @@ def test_checkpoint_cost_quick() -> None:
     assert headline["checkpoint_step_s"] > 0
 
 
+@pytest.mark.ray
+@pytest.mark.benchmark
+def test_goodput_quick() -> None:
+    """Bare Ray Train, raytrain restart and raytrain live, each killed once by the same fault point, all reach the
+    last step; the goodputs are fractions of the wall time."""
+    headline = run_benchmark("goodput.py")
+    for variant in ("bare", "restart", "live"):
+        assert 0 < headline[f"goodput_{variant}"] <= 1.05, headline  # a median step: a fast interval may beat it
+        assert headline[f"goodput_step_s_{variant}"] > 0
+    assert headline["settings"]["kills"] == "1:30:forward"
+
+
 @pytest.mark.benchmark
 def test_driver_index_quick() -> None:
     headline = run_benchmark("driver_index.py")
