@@ -151,7 +151,6 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("goodput", "goodput_bare", "goodput, a SIGKILL every 50 steps: bare Ray Train, restart from its checkpoint", None),
     ("goodput", "goodput_restart", "goodput, the same kills: raytrain, recovery restart", None),
     ("goodput", "goodput_live", "goodput, the same kills: raytrain, recovery live (ddp replicas)", None),
-    ("goodput", "goodput_live_over_restart", "goodput live ÷ goodput restart, same run", None),
 ]
 
 

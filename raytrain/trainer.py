@@ -698,13 +698,6 @@ class ElasticTrainer:
             val_set = ray.data.read_parquet(files, filesystem=fs)
         val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
         trainer_datasets: dict[str, Any] = {}
-        live = spec.cluster.recovery == "live"
-        if live and isinstance(train, ParquetSource):  # live replicas read deterministic mode's in-memory order
-            import ray.data
-
-            fs, files = train.resolve()
-            train = ray.data.read_parquet(files, filesystem=fs)
-            say("live mode: the Parquet training set is materialized in Ray's object store (deterministic order)")
         if isinstance(train, ParquetSource) or spec.loop.deterministic:
             data: ParquetIndex | IndexedData
             if isinstance(train, ParquetSource):

@@ -263,7 +263,7 @@ def local_checkpoint(directory: str, fs: Any) -> contextlib.AbstractContextManag
     )
 
 
-def _step_source(
+def step_source(
     job: WorkerJob,
     plan: BatchPlan,
     dims: ParallelDims,
@@ -274,7 +274,7 @@ def _step_source(
 ) -> StepSource:
     """The data of every step for this rank: the Parquet order, deterministic mode's indexed order, or the
     streaming shard. Indexed by the data-parallel replica: the ranks of one model-parallel replica read the same
-    slice."""
+    slice. Live mode's replicas read through the same sources (`set_share` before each step)."""
     replica = dims.coords(rank).dp
     spec = job.spec
     if isinstance(job.data, ParquetIndex):
@@ -433,7 +433,7 @@ def start_run(job: WorkerJob) -> Run:
     if warning:
         log.print(f"WARNING: {warning}")
 
-    source = _step_source(job, plan, dims, rank, device, consumed, log.print)
+    source = step_source(job, plan, dims, rank, device, consumed, log.print)
     if isinstance(source, ParquetSteps) and (
         kept := source.keep_order(state.epoch, state.sample_in_epoch, state.data_order)
     ):

@@ -2,18 +2,19 @@
 fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
 
 Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
-every step trains exactly the global batch; the audit is clean; the loss equals the fixed-size live run's step by
-step. A kill of the only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a
-restart from its newest live checkpoint (one line says why), and the curve is still the fixed-size one.
+every step trains exactly the global batch; the audit is clean; the loss equals, step by step, the fixed-size run of
+the *restart* path (`fixed_size_losses`): live replicas read the same step source (the demo's Parquet files), so the
+mode of recovery does not change the training. A kill of the only replica (from inside it, by `raytrain.faults`):
+live mode cannot go on, falls back to a restart from its newest live checkpoint (one line says why), and the curve
+is still the fixed-size one.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from ray_helpers import assert_same_curve, check_invariants, demo, losses, read_jsonl
+from ray_helpers import assert_same_curve, check_invariants, demo, read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -22,33 +23,12 @@ LIVE = ("--recovery", "live", "--steps", str(STEPS), "--checkpoint-every", "5")
 PACED = ("--sample-time", "0.01")  # simulated compute: the events land mid-run (it changes no loss)
 
 
-@pytest.fixture(scope="module")
-def live_fixed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The reference: one live replica on one fake node, no event, no simulated compute (the curve is the same at
-    every world size and pace)."""
-    summary = demo(
-        tmp_path_factory.mktemp("live-fixed"),
-        "fixed",
-        *LIVE,
-        "--sample-time",
-        "0",
-        "--nodes",
-        "1",
-        "--workers",
-        "1",
-        "--events",
-        "none",
-    )
-    assert summary["live"]["lost"] == [] and summary["restarts"] == 0
-    return summary
-
-
 def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
-    tmp_path: Path, live_fixed: dict[str, Any]
+    tmp_path: Path, fixed_size_losses: list[float]
 ) -> None:
     summary = demo(tmp_path, "kills", *LIVE, *PACED, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
     check_invariants(summary, STEPS)
-    assert_same_curve(summary, losses(live_fixed))
+    assert_same_curve(summary, fixed_size_losses)
     live = summary["live"]
     assert summary["restarts"] == 0 and live["restarts"] == 0
     assert len(live["lost"]) == 2 and len(summary["events"]) == 2
@@ -75,7 +55,7 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
 
 
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(
-    tmp_path: Path, live_fixed: dict[str, Any]
+    tmp_path: Path, fixed_size_losses: list[float]
 ) -> None:
     # the kill comes from inside the replica (`raytrain.faults`, as in the restart path's fault tests), mid-step:
     # between a micro-batch's forward and its backward
@@ -86,7 +66,7 @@ def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint
     (fired,) = read_jsonl(str(Path(summary["run_dir"]) / "faults_fired.jsonl"))
     assert fired == {"fault": 0, "rank": 0, "step": 12, "phase": "backward"}
     check_invariants(summary, STEPS)
-    assert_same_curve(summary, losses(live_fixed))
+    assert_same_curve(summary, fixed_size_losses)
     live = summary["live"]
     assert live["restarts"] == 1 and summary["restarts"] == 1
     (fallback,) = live["fallbacks"]

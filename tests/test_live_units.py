@@ -194,6 +194,15 @@ def test_resuming_a_live_checkpoint_with_settings_that_move_the_data_position_is
     other = _spec(batch=BatchConfig(global_batch=48, micro_batch=4), loop=LoopConfig(seed=3)).to_dict()
     with pytest.raises(ConfigError, match=r"batch.global_batch 24 -> 48, loop.seed 0 -> 3, training rows 240 -> 200"):
         check_resumable_with(state, other, 200)
+    # a Parquet source's order: its partitions (or shuffle window, or row groups) changed
+    order = {"row_groups": 15, "rows": 240, "partitions": 4, "shuffle_window": 2}
+    parquet = str(tmp_path / "p")
+    log = LiveLog(parquet, audit=False, log_every=100, keep=2, config=config, num_rows=240, data_order=order)
+    log.checkpoint(0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}})
+    state, _ = load_live_checkpoint(live_checkpoints(parquet)[-1][1])
+    check_resumable_with(state, config, 240, order)
+    with pytest.raises(ConfigError, match=r"data order .*'partitions': 4.* -> .*'partitions': 8"):
+        check_resumable_with(state, config, 240, {**order, "partitions": 8})
 
 
 def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untouched() -> None:

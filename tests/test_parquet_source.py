@@ -127,6 +127,28 @@ def test_every_world_size_reads_the_same_global_batches(tmp_path: Path) -> None:
     assert [len(s) for s in _epoch_ids(index, 2, 20, epoch=0, drop_last=True)] == [20, 20, 20, 20]
 
 
+def test_a_source_told_a_new_share_mid_epoch_reads_what_a_fresh_source_for_that_share_reads(tmp_path: Path) -> None:
+    """Live mode's replicas keep one source while the participants change (`set_share` before a step): the steps
+    assembled ahead for the old share are dropped, and the new share's rows are the ones a fresh source gives,
+    the partial last step of the epoch included."""
+    index = _index(tmp_path, 90)
+    cpu = torch.device("cpu")
+    moving = ParquetSteps(index, seed=7, plan=plan_batch(20, 4, 2), rank=1, device=cpu, drop_last=False, epochs=9)
+    for position, (world, rank) in zip(range(0, 90, 20), [(2, 1), (2, 1), (1, 0), (3, 2), (3, 0)], strict=True):
+        moving.set_share(plan_batch(20, 4, world), rank)
+        got = moving.next_step(0, position)
+        fresh = ParquetSteps(
+            index, seed=7, plan=plan_batch(20, 4, world), rank=rank, device=cpu, drop_last=False, epochs=9
+        )
+        want = fresh.next_step(0, position)
+        fresh.close()
+        assert got is not None and want is not None
+        assert got.plan == want.plan and got.ids.tolist() == want.ids.tolist(), (position, world, rank)
+        for a, b in zip(got.micro_batches, want.micro_batches, strict=True):
+            assert torch.equal(a["x"], b["x"]) and torch.equal(a["y"], b["y"])
+    moving.close()
+
+
 def test_rows_are_the_ones_the_ids_name(tmp_path: Path) -> None:
     """The tensors a rank trains on are the rows of its ids, with an id column and with canonical ids."""
     arrays = regression_arrays(90)

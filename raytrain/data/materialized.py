@@ -324,6 +324,11 @@ class IndexedSteps:
         batches = rank_micro_batches(self.columns, positions, plan, self.rank, self.device)
         return StepData(batches, plan, self.data.ids[positions])
 
+    def set_share(self, plan: Any, rank: int) -> None:
+        """Live mode: the plan and this rank's place in it from the next step on (a step's participants change
+        when replicas come and go)."""
+        self.plan, self.rank = plan, rank
+
     def global_ids(self, step: StepData) -> np.ndarray:
         """All ids of `step` in rank order (every rank already knows them here)."""
         return step.ids
@@ -331,3 +336,6 @@ class IndexedSteps:
     def consumed_ids(self) -> IdRanges:
         """Nothing to store: the data position (epoch, sample_in_epoch) determines the consumed ids here."""
         return IdRanges()
+
+    def close(self) -> None:
+        """Nothing to stop (no threads: the rows are in memory)."""

@@ -350,6 +350,19 @@ class ParquetSteps:
         self._told = False
         self._step_windows = 1  # windows the latest step's share touched
 
+    def set_share(self, plan: Any, rank: int) -> None:
+        """Live mode: the plan and this rank's place in it from the next step on (a step's participants change
+        when replicas come and go). Waits for the assembler thread to finish what it began for the old share,
+        then forgets the steps and slices computed for it; the windows loaded stay (they are the same for every
+        share)."""
+        if plan == self.plan and rank == self.rank:
+            return
+        self._assembler.submit(lambda: None).result()  # what runs or is queued for the old share is done
+        with self._lock, self._order_lock:
+            self.plan, self.rank = plan, rank
+            self._steps.clear()
+            self._slices.clear()
+
     def _order(self, epoch: int) -> PartitionedOrder:
         with self._order_lock:
             if epoch not in self._orders:

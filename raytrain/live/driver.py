@@ -172,6 +172,7 @@ class LiveRun:
                 keep=spec.checkpoint.keep,
                 config=spec.to_dict(),
                 num_rows=self._num_rows(),
+                data_order=self._data_order(),
             )
         )
         try:
@@ -188,6 +189,12 @@ class LiveRun:
 
     def _num_rows(self) -> int:
         return int(getattr(self.job.data, "num_rows", 0))
+
+    def _data_order(self) -> dict[str, int]:
+        """What the Parquet source's order depends on besides (seed, epoch); {} for data in memory."""
+        from raytrain.data.parquet import ParquetIndex
+
+        return self.job.data.order_params() if isinstance(self.job.data, ParquetIndex) else {}
 
     def _failed(self, cause: str) -> None:
         """Count one failure (a replica lost, a fallback) against `max_failures`; `RuntimeError` past it."""
@@ -210,7 +217,7 @@ class LiveRun:
         if not newest:
             return 0, None
         state, tensors = load_live_checkpoint(newest[-1][1])
-        check_resumable_with(state, self.job.spec.to_dict(), self._num_rows())
+        check_resumable_with(state, self.job.spec.to_dict(), self._num_rows(), self._data_order())
         return state.step, ray.put(tensors)
 
     def _begin(self, restored: int, ready: list[_Replica]) -> None:

@@ -74,10 +74,12 @@ def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def check_resumable_with(state: TrainState, config: dict[str, Any], num_rows: int) -> None:
-    """`ConfigError` when a live checkpoint was written with another global batch, seed, drop_last or data size
-    than the run resuming from it: live mode finds a step's samples from the step number and these, so any of
-    them changed would skip or repeat samples."""
+def check_resumable_with(
+    state: TrainState, config: dict[str, Any], num_rows: int, data_order: dict[str, int] | None = None
+) -> None:
+    """`ConfigError` when a live checkpoint was written with another global batch, seed, drop_last, data size or
+    Parquet order (`data_order`: partitions, shuffle window, row groups) than the run resuming from it: live mode
+    finds a step's samples from the step number and these, so any of them changed would skip or repeat samples."""
     from raytrain.errors import ConfigError
 
     stored = state.config
@@ -86,6 +88,7 @@ def check_resumable_with(state: TrainState, config: dict[str, Any], num_rows: in
         "batch.drop_last": (stored.get("batch", {}).get("drop_last"), config["batch"]["drop_last"]),
         "loop.seed": (stored.get("loop", {}).get("seed"), config["loop"]["seed"]),
         "training rows": (state.plan.get("num_rows"), num_rows),
+        "data order": (state.data_order or None, data_order or None),
     }
     changed = [f"{name} {old!r} -> {new!r}" for name, (old, new) in pairs.items() if old is not None and old != new]
     if changed:
@@ -108,9 +111,18 @@ class LiveLog:
     `checkpoint`) and the driver (`begin`, `note`, `membership`, `last_step`)."""
 
     def __init__(
-        self, run_dir: str, *, audit: bool, log_every: int, keep: int, config: dict[str, Any], num_rows: int = 0
+        self,
+        run_dir: str,
+        *,
+        audit: bool,
+        log_every: int,
+        keep: int,
+        config: dict[str, Any],
+        num_rows: int = 0,
+        data_order: dict[str, int] | None = None,
     ) -> None:
         self.run_dir, self.keep, self.config, self.num_rows = run_dir, keep, config, num_rows
+        self.data_order = data_order or {}
         self.log = Rank0Log(0, run_dir, audit=audit, log_every=log_every)
         self.last = 0
         self.group = 0
@@ -182,6 +194,7 @@ class LiveLog:
             global_batch=self.config.get("batch", {}).get("global_batch", 0),
             plan={"num_rows": self.num_rows},
             config=self.config,
+            data_order=self.data_order,
         )
         with open(os.path.join(partial, "train_state.json"), "w") as f:
             json.dump(asdict(train_state), f)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from raytrain.batch_plan import BatchPlan, split_step
 
@@ -58,6 +59,7 @@ class LiveStep:
     loss: float
     grad_norm: float
     finite: bool
+    ids: torch.Tensor | None = None  # the step's sample ids summed over the participants (`train_step`'s `ids`)
 
 
 class LiveReplicaLost(RuntimeError):
@@ -185,13 +187,17 @@ class LiveReplica:
         loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
         fault: Callable[[str], None] = lambda phase: None,
         max_grad_norm: float | None = None,
+        ids: torch.Tensor | None = None,
     ) -> LiveStep:
         """Forward/backward of `share`'s micro-batches (the per-sample losses times `share.loss_scale`), the
         gradients of the trainable parameters averaged over the participants, and then, if this replica group
         commits (torchft's `should_commit`) and the averaged loss and gradient are finite: clipping to
         `max_grad_norm` (the norm of the averaged gradient, the same on every replica) and the optimizer step.
         `fault(phase)` is called between each forward and its backward ("backward") and between the last backward
-        and the gradient all-reduce ("optimizer"): where `raytrain.faults` and the tests kill a replica."""
+        and the gradient all-reduce ("optimizer"): where `raytrain.faults` and the tests kill a replica. `ids`
+        (int64, one per sample of the step: this replica's slice filled in, zeros elsewhere) is summed over the
+        participants with the gradients, so every participant returns the step's ids (the audit's, when each
+        replica reads only its own slice)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer.zero_grad(set_to_none=False)
         for p in params:
@@ -206,6 +212,8 @@ class LiveReplica:
         fault("optimizer")
         loss = torch.tensor([local * share.loss_scale], dtype=torch.float64)  # averaged over P: sum / B
         works = [self.manager.allreduce(t) for t in (*(p.grad for p in params if p.grad is not None), loss)]
+        if ids is not None:
+            works.append(self.manager.allreduce(ids, reduce_op=ReduceOp.SUM))
         for work in works:
             work.wait()
         if self.manager.errored() is not None:
@@ -220,7 +228,7 @@ class LiveReplica:
             if max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
             self.optimizer.step()
-        return LiveStep(committed, mean, norm, finite)
+        return LiveStep(committed, mean, norm, finite, ids)
 
     def shutdown(self) -> None:
         """Leave the quorum and stop torchft's background threads."""

@@ -1,15 +1,16 @@
 """One live replica: a Ray actor that trains the run's steps as a torchft replica group until the run ends.
 
 The data position is a function of the step number only: step s is at sample (s mod S)·B of epoch s div S, with
-S the steps per epoch (`raytrain.data.materialized.steps_per_epoch`), in deterministic mode's order
-(`epoch_order(N, seed, epoch)`). A replacement that healed to step s therefore knows its data position without
-any bookkeeping of its own, and every replica agrees on it. The participants of a step split its samples with
-`live_share`; the participant of rank 0 sends the step's record (and each checkpoint) to the run's `LiveLog`.
+S the steps per epoch (`raytrain.data.materialized.steps_per_epoch`). A replacement that healed to step s
+therefore knows its data position without any bookkeeping of its own, and every replica agrees on it. The step's
+samples come from the restart path's own step source (`raytrain.worker_loop.step_source`: the Parquet windows or
+deterministic mode's in-memory order), told before each step how many replicas take part and this one's rank
+among them (`set_share`), so a run trains the same samples in the same steps in either recovery mode; the
+participant of rank 0 sends the step's record (and each checkpoint) to the run's `LiveLog`.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from collections.abc import Iterator
@@ -20,13 +21,17 @@ import numpy as np
 import torch
 
 from raytrain import faults
-from raytrain.data.materialized import epoch_order, run_total_steps, step_positions, steps_per_epoch, to_tensors
+from raytrain.batch_plan import BatchPlan, split_step
+from raytrain.data.id_ranges import IdRanges
+from raytrain.data.materialized import run_total_steps, steps_per_epoch
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
+from raytrain.live.replica import LiveShare
 from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
+from raytrain.parallel.dims import ParallelDims
 from raytrain.rng import MicroBatchSeeds
-from raytrain.worker_loop import WorkerJob, build_model, settle_heap
+from raytrain.worker_loop import WorkerJob, build_model, settle_heap, step_source
 
 
 @dataclass(frozen=True)
@@ -70,11 +75,12 @@ class LiveWorker:
     def __init__(self, job: WorkerJob, settings: LiveSettings, log: Any, restore: dict[str, Any] | None) -> None:
         from datetime import timedelta
 
-        from raytrain.data.materialized import IndexedData
+        from raytrain.data.materialized import IndexedData, IndexedSteps
+        from raytrain.data.parquet import ParquetIndex, ParquetSteps
         from raytrain.live.replica import LiveReplica
         from raytrain.ports import free_port
 
-        assert isinstance(job.data, IndexedData), "live mode trains on deterministic mode's IndexedData"
+        assert isinstance(job.data, IndexedData | ParquetIndex), "live mode reads deterministic mode's step sources"
         self.job, self.settings, self.log = job, settings, log
         spec = job.spec
         self.model, trace = build_model(job)
@@ -102,10 +108,7 @@ class LiveWorker:
         )
         if restore is not None:
             self.replica.restore(restore)
-        data = job.data
-        self.ids = data.ids
-        self.num_rows = data.num_rows
-        self.columns = data.load_columns()
+        self.num_rows = job.data.num_rows
         self.total_steps = run_total_steps(
             num_rows=self.num_rows,
             global_batch=self.global_batch,
@@ -116,7 +119,11 @@ class LiveWorker:
             epoch=0,
             sample_in_epoch=0,
         )
-        self._orders: dict[int, np.ndarray] = {}
+        # the restart path's step source (the same order, the same rows per rank); its share is set every step
+        cpu = torch.device("cpu")
+        source = step_source(job, self._full_plan(1), ParallelDims.of(1), 0, cpu, IdRanges(), self._note)
+        assert isinstance(source, IndexedSteps | ParquetSteps), "live mode runs deterministic mode only"
+        self.steps = source
         faults.arm(job.run_dir, 0, 1)  # RAYTRAIN_FAULTS: rank and world are each step's quorum's (`at_step`)
         settle_heap()  # as the restart path's start does: no full collection mid-step
 
@@ -127,20 +134,22 @@ class LiveWorker:
 
         return os.getpid(), ray.get_runtime_context().get_node_id(), self.total_steps
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: epoch_order(self.num_rows, self.job.spec.loop.seed, epoch)}
-        return self._orders[epoch]
+    def _note(self, line: str) -> None:
+        """A line for the run's log (the step source's data-prefetch decision)."""
+        self.log.note.remote(line)
 
-    def _micro_batches(
-        self, mine: np.ndarray, cuts: np.ndarray, seeds: MicroBatchSeeds
-    ) -> Iterator[dict[str, torch.Tensor]]:
-        """This replica's micro-batches of a step (rows `mine`, cut at `cuts`), each seeded just before its forward
-        as the restart path seeds it (`raytrain.rng`)."""
-        for j, (a, b) in enumerate(itertools.pairwise(cuts)):
+    def _full_plan(self, participants: int) -> BatchPlan:
+        """The plan of a whole global batch over `participants` (the step source splits an epoch's partial last
+        step itself, as in the restart path)."""
+        return split_step(self.global_batch, self.job.spec.batch.micro_batch, participants)
+
+    def _micro_batches(self, batches: list[dict[str, torch.Tensor]], seeds: MicroBatchSeeds) -> Iterator[Any]:
+        """This replica's micro-batches of a step, each seeded just before its forward as the restart path seeds
+        it (`raytrain.rng`)."""
+        for j, batch in enumerate(batches):
             seeds(j)
             fault_point("forward")
-            yield to_tensors({k: v[mine[a:b]] for k, v in self.columns.items()}, "cpu")
+            yield batch
 
     def lr_at(self, step: int) -> float:
         """The LR of step `step`: the peak for the global batch (its rule, never the replica count) times the
@@ -156,7 +165,7 @@ class LiveWorker:
         `LiveReplicaLost` when the quorum fails or when this replica found no peer to heal from (its quorum is
         behind `settings.floor`), `NonFiniteError` for a non-finite step with on_nonfinite="stop", and what the
         user's code raises."""
-        from raytrain.live.replica import LiveReplicaLost, live_share
+        from raytrain.live.replica import LiveReplicaLost
 
         spec = self.job.spec
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
@@ -172,19 +181,26 @@ class LiveWorker:
                 if step >= self.total_steps:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
-                positions = step_positions(self._order(epoch), sample_in_epoch, self.global_batch)
-                share = live_share(step, len(positions), spec.batch.micro_batch, quorum.participants, quorum.rank)
-                mine = positions[share.offset : share.offset + share.count]
-                cuts = np.cumsum((0, *share.micro_batches))
+                self.steps.set_share(self._full_plan(quorum.participants), quorum.rank)
+                data = self.steps.next_step(epoch, sample_in_epoch)
+                assert data is not None, f"step {step + 1} is within the run: its epoch has it"
+                share = LiveShare(step, quorum.participants, quorum.rank, data.plan)
                 micro = self._micro_batches(
-                    mine, cuts, MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None)
+                    data.micro_batches,
+                    MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None),
                 )
                 faults.at_step(step + 1, quorum.rank, quorum.participants)
                 lr = self.lr_at(step)
                 set_lr(self.optimizer, self.ratios, lr)
                 started = time.perf_counter()
+                gather = self._gathered_ids(share, data.ids)
                 result = self.replica.train_step(
-                    share, micro, self.job.loss_fn, fault=fault_point, max_grad_norm=spec.loop.max_grad_norm
+                    share,
+                    micro,
+                    self.job.loss_fn,
+                    fault=fault_point,
+                    max_grad_norm=spec.loop.max_grad_norm,
+                    ids=gather,
                 )
                 outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step
                 outcome.last_step = step + 1
@@ -196,18 +212,32 @@ class LiveWorker:
                     if spec.loop.on_nonfinite == "stop":
                         raise NonFiniteError.at(step + 1, result.loss, result.grad_norm)
                     outcome.skipped_steps += 1
-                self._record(step, epoch, sample_in_epoch, share, positions, lr, result, started, quorum.rank)
+                ids = None
+                if spec.loop.audit_samples:
+                    ids = data.ids if gather is None else result.ids
+                self._record(step, epoch, sample_in_epoch, share, ids, lr, result, started, quorum.rank)
         finally:
             self.replica.shutdown()
+            self.steps.close()
         return outcome
+
+    def _gathered_ids(self, share: LiveShare, mine: np.ndarray) -> torch.Tensor | None:
+        """For the audit when this replica holds only its own slice's ids (the Parquet source): the step's ids
+        with this slice filled in and zeros elsewhere, summed over the participants in the step's all-reduce.
+        None when no audit is asked for or the source knows every id of the step."""
+        if not self.job.spec.loop.audit_samples or len(mine) == share.plan.global_batch:
+            return None
+        ids = torch.zeros(share.plan.global_batch, dtype=torch.int64)
+        ids[share.offset : share.offset + share.count] = torch.from_numpy(np.asarray(mine, dtype=np.int64))
+        return ids
 
     def _record(
         self,
         step: int,
         epoch: int,
         sample_in_epoch: int,
-        share: Any,
-        positions: np.ndarray,
+        share: LiveShare,
+        ids: Any,
         lr: float,
         result: Any,
         started: float,
@@ -227,8 +257,8 @@ class LiveWorker:
             "world_size": share.participants,
             "accumulation_steps": share.plan.accumulation_steps,
             "per_rank_samples": list(share.plan.per_rank_samples),
-            "global_batch_size": len(positions),
-            "samples_seen": epoch * epoch_samples + sample_in_epoch + len(positions),
+            "global_batch_size": share.plan.global_batch,
+            "samples_seen": epoch * epoch_samples + sample_in_epoch + share.plan.global_batch,
             "lr": lr,
             "loss": result.loss,
             "grad_norm": result.grad_norm,
@@ -237,7 +267,6 @@ class LiveWorker:
         }
         if not result.finite:
             metrics["skipped"] = True  # on_nonfinite="skip": this step's update was dropped
-        ids = self.ids[positions] if spec.loop.audit_samples else None
         self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
         if rank == 0 and (done % spec.checkpoint.every_steps == 0 or done == self.total_steps):
             fault_point("checkpoint")
@@ -245,7 +274,7 @@ class LiveWorker:
                 self.settings.group,
                 done,
                 epoch,
-                sample_in_epoch + len(positions),
+                sample_in_epoch + share.plan.global_batch,
                 pack_state(self.replica.state_dict()),
             )
             fault_point("report")
