@@ -17,17 +17,19 @@ steps, a checkpoint every 10 steps, one local Ray instance. The kills are the sa
 and 150; the bare loop calls the same fault points.
 
 From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
-trained again after a restart is counted once, when it first finished beyond the old group's furthest step):
+trained again after a restart is counted once, at the first time it finished):
     step s          the fault-free median step time: the median interval between steps 6 .. 49 (before any kill)
     goodput         (n - 5) x step s / (t_n - t_5): the steps' worth of fault-free training in the wall time from
                     step 5 to the last step. Starts are excluded (`start_overhead_s` in overhead.py measures them);
-                    every kill's detection, restart, reload, steps trained again, and the slower steps of a smaller
-                    world until the replacement joins are inside.
-    lost s / kill   (t_n - t_5 - (n - 5) x step s) / kills
-Keys: goodput_bare, goodput_restart, goodput_live. `goodput_live_hsdp` (live mode with sharded replica groups) is
-not measured: live mode runs ddp replicas only. One repetition per run (`run_all.py` runs it three times and
-reports min/median/max); the variants rotate their order per repetition. Timings depend on the machine's load (its
-load average is printed).
+                    every checkpoint, every kill's detection, restart, reload, steps trained again, and the slower
+                    steps of a smaller world until the replacement joins are inside.
+    fault-free      the same over steps 5 .. 49 (no kill yet): what the checkpoints alone cost
+    kill cost s     the wall time beyond the fault-free pace (checkpoints included), per kill:
+                    ((t_n - t_5) - (n - 5) x step s / fault-free) / kills
+Keys: goodput_bare, goodput_restart, goodput_live; goodput_fault_free_*, goodput_kill_cost_s_*. `goodput_live_hsdp`
+(live mode with sharded replica groups) is not measured: live mode runs ddp replicas only. One repetition per run
+(`run_all.py` runs it three times and reports min/median/max); the variants rotate their order per repetition.
+Timings depend on the machine's load (its load average is printed).
 """
 
 from __future__ import annotations
@@ -199,9 +201,16 @@ def goodput(records: list[dict[str, Any]], steps: int, first_kill: int) -> dict[
     times = [finished[s] for s in range(1, steps + 1)]
     before = times[SKIP - 1 : first_kill - 1]  # steps SKIP .. first_kill - 1: no kill yet
     step_s = median([b - a for a, b in itertools.pairwise(before)])
+    fault_free = (len(before) - 1) * step_s / (before[-1] - before[0])
     wall = times[-1] - times[SKIP - 1]
     trained = (steps - SKIP) * step_s
-    return {"step_s": step_s, "wall_s": wall, "goodput": trained / wall, "lost_s": wall - trained}
+    return {
+        "step_s": step_s,
+        "wall_s": wall,
+        "goodput": trained / wall,
+        "fault_free": fault_free,
+        "beyond_pace_s": wall - trained / fault_free,
+    }
 
 
 def main() -> int:
@@ -244,9 +253,17 @@ def main() -> int:
     )
     print(
         table(
-            ["variant", "step s", f"wall s (steps {SKIP}-{steps})", "goodput", "lost s / kill", "steps trained again"],
             [
-                [v, r["step_s"], r["wall_s"], r["goodput"], r["lost_s"] / count, r["retrained"]]
+                "variant",
+                "step s",
+                f"wall s (steps {SKIP}-{steps})",
+                "goodput",
+                f"fault-free (steps {SKIP}-{every - 1})",
+                "kill cost s",
+                "steps trained again",
+            ],
+            [
+                [v, r["step_s"], r["wall_s"], r["goodput"], r["fault_free"], r["beyond_pace_s"] / count, r["retrained"]]
                 for v, r in found.items()
             ],
         )
@@ -257,7 +274,8 @@ def main() -> int:
         "one failure a minute on its own setup)"
     )
     headline: dict[str, Any] = {f"goodput_{v}": round(r["goodput"], 4) for v, r in found.items()}
-    headline |= {f"goodput_lost_s_per_kill_{v}": round(r["lost_s"] / count, 2) for v, r in found.items()}
+    headline |= {f"goodput_fault_free_{v}": round(r["fault_free"], 4) for v, r in found.items()}
+    headline |= {f"goodput_kill_cost_s_{v}": round(r["beyond_pace_s"] / count, 2) for v, r in found.items()}
     headline |= {f"goodput_step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
     headline["goodput_kill_every_s"] = round(every * step_s, 1)
     if "live" in found and "restart" in found:

@@ -148,6 +148,7 @@ def test_goodput_quick() -> None:
     headline = run_benchmark("goodput.py")
     for variant in ("bare", "restart", "live"):
         assert 0 < headline[f"goodput_{variant}"] <= 1.05, headline  # a median step: a fast interval may beat it
+        assert 0 < headline[f"goodput_fault_free_{variant}"] <= 1.05, headline
         assert headline[f"goodput_step_s_{variant}"] > 0
     assert headline["settings"]["kills"] == "1:30:forward"
 
