@@ -119,6 +119,7 @@ class LiveWorker:
             epoch=0,
             sample_in_epoch=0,
         )
+        self._rank = 0  # this replica's rank in the latest quorum
         # the restart path's step source (the same order, the same rows per rank); its share is set every step
         cpu = torch.device("cpu")
         source = step_source(job, self._full_plan(1), ParallelDims.of(1), 0, cpu, IdRanges(), self._note)
@@ -135,8 +136,10 @@ class LiveWorker:
         return os.getpid(), ray.get_runtime_context().get_node_id(), self.total_steps
 
     def _note(self, line: str) -> None:
-        """A line for the run's log (the step source's data-prefetch decision)."""
-        self.log.note.remote(line)
+        """A line for the run's log (the step source's data-prefetch decision), from rank 0 of the latest quorum
+        only (each replica decides once: the others' lines would repeat it)."""
+        if self._rank == 0:
+            self.log.note.remote(line)
 
     def _full_plan(self, participants: int) -> BatchPlan:
         """The plan of a whole global batch over `participants` (the step source splits an epoch's partial last
@@ -165,7 +168,7 @@ class LiveWorker:
         `LiveReplicaLost` when the quorum fails or when this replica found no peer to heal from (its quorum is
         behind `settings.floor`), `NonFiniteError` for a non-finite step with on_nonfinite="stop", and what the
         user's code raises."""
-        from raytrain.live.replica import LiveReplicaLost
+        from raytrain.live.replica import LiveReplicaLost, live_share
 
         spec = self.job.spec
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
@@ -181,10 +184,13 @@ class LiveWorker:
                 if step >= self.total_steps:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
+                self._rank = quorum.rank
                 self.steps.set_share(self._full_plan(quorum.participants), quorum.rank)
                 data = self.steps.next_step(epoch, sample_in_epoch)
                 assert data is not None, f"step {step + 1} is within the run: its epoch has it"
-                share = LiveShare(step, quorum.participants, quorum.rank, data.plan)
+                batch, micro_cap = data.plan.global_batch, spec.batch.micro_batch
+                share = live_share(step, batch, micro_cap, quorum.participants, quorum.rank)
+                assert share.plan == data.plan, (share.plan, data.plan)  # the source split it as the share does
                 micro = self._micro_batches(
                     data.micro_batches,
                     MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None),
