@@ -18,13 +18,14 @@ and 150; the bare loop calls the same fault points.
 
 From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
 trained again after a restart is counted once, at the first time it finished):
-    step s          the fault-free median step time: the median interval between steps 6 .. 40 (the last checkpoint
-                    before the first kill: the restart path's records after it are rewritten after the restart)
+    step s          the fault-free median step time: the median interval between steps 10 .. 40 (whole checkpoint
+                    periods up to the last checkpoint before the first kill: the restart path's records after it
+                    are written again after the restart)
     goodput         (n - 5) x step s / (t_n - t_5): the steps' worth of fault-free training in the wall time from
                     step 5 to the last step. Starts are excluded (`start_overhead_s` in overhead.py measures them);
                     every checkpoint, every kill's detection, restart, reload, steps trained again, and the slower
                     steps of a smaller world until the replacement joins are inside.
-    fault-free      the same over steps 5 .. 40 (no kill yet): what the checkpoints alone cost
+    fault-free      the same over steps 10 .. 40 (no kill yet): what the checkpoints alone cost
     kill cost s     the wall time beyond the fault-free pace (checkpoints included), per kill:
                     ((t_n - t_5) - (n - 5) x step s / fault-free) / kills
 Keys: goodput_bare, goodput_restart, goodput_live; goodput_fault_free_*, goodput_kill_cost_s_*. `goodput_live_hsdp`
@@ -182,8 +183,11 @@ def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str)
     # a kill before step s's forward had finished s - 1 steps; the next group resumed at its checkpoint's step (the
     # old group's records since its last checkpoint died with it, so metrics.jsonl cannot show them)
     fired = read_jsonl(os.path.join(os.path.dirname(result.metrics_path), "faults_fired.jsonl"))
-    starts = read_jsonl(result.events_path)[1:]
-    return metrics, sum(f["step"] - 1 - s["step"] for f, s in zip(fired, starts, strict=True))
+    retrained, pending = 0, list(fired)
+    for start in read_jsonl(result.events_path)[1:]:  # a restart no kill caused (a resize) is not counted
+        if pending and start["step"] < pending[0]["step"]:
+            retrained += pending.pop(0)["step"] - 1 - start["step"]
+    return metrics, retrained
 
 
 # ---------------------------------------------------------------- the figures
@@ -200,10 +204,11 @@ def goodput(records: list[dict[str, Any]], steps: int, first_kill: int) -> dict[
         raise ValueError(f"the run ended at step {max(finished, default=0)} of {steps}")
     # a step's time is when it was first finished; later steps were finished later (the loop is sequential)
     times = [finished[s] for s in range(1, steps + 1)]
-    # steps SKIP .. the last checkpoint before the first kill: no kill yet, and recorded by the first group (the
+    # whole checkpoint periods before the first kill (steps EVERY .. the last checkpoint before it): no kill yet,
+    # each interval's share of checkpoints as in the whole run, and every record written by the first group (the
     # restart path writes rank 0's records with each checkpoint: those since the last one are written again, after
     # the restart, by the group that trains them again)
-    before = times[SKIP - 1 : first_kill - EVERY]
+    before = times[EVERY - 1 : first_kill - EVERY]
     step_s = median([b - a for a, b in itertools.pairwise(before)])
     fault_free = (len(before) - 1) * step_s / (before[-1] - before[0])
     wall = times[-1] - times[SKIP - 1]
@@ -262,7 +267,7 @@ def main() -> int:
                 "step s",
                 f"wall s (steps {SKIP}-{steps})",
                 "goodput",
-                f"fault-free (steps {SKIP}-{every - EVERY})",
+                f"fault-free (steps {EVERY}-{every - EVERY})",
                 "kill cost s",
                 "steps trained again",
             ],

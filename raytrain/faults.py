@@ -7,12 +7,14 @@ a lost node would) at a chosen rank, step and phase, once.
 Phases: forward (before a micro-step's forward), backward (between forward and backward), optimizer (after the last
 backward, before the update), checkpoint (the checkpoint of the step begun: the shard copied, its files being
 written in the background, not yet reported), report (that checkpoint reported, not yet committed; this happens
-after a later step). Live mode (`raytrain.live.worker`) has the same phases; its checkpoint is the quorum's rank 0
-about to send a live checkpoint to the run's log, its report just after sending it; its rank and world are the
-step's quorum rank and participants. "step" is the optimizer step being trained (1-based, as in metrics.jsonl), for
-checkpoint and report the step of the checkpoint; a fault for rank r fires on rank r % W. Each fault fires once per
-run: the firing rank records it in `<run>/faults_fired.jsonl` before it dies, so the replay of that step after the
-restart goes through. Without the variable every `fault_point` is a no-op (one dictionary lookup).
+after a later step). Live mode (`raytrain.live.worker`) has the same phases; its rank and world are the step's
+quorum rank and participants; its checkpoint is the quorum's rank 0 about to send a live checkpoint to the run's
+log, its report right after the call that sends it (the checkpoint may then be lost with the process); only rank 0
+sends checkpoints, so a checkpoint or report fault fires in live mode only for a rank r with r % W = 0. "step" is
+the optimizer step being trained (1-based, as in metrics.jsonl), for checkpoint and report the step of the
+checkpoint; a fault for rank r fires on rank r % W. Each fault fires once per run: the firing rank records it in
+`<run>/faults_fired.jsonl` before it dies, so the replay of that step after the restart goes through. Without the
+variable every `fault_point` is a no-op (one dictionary lookup).
 """
 
 from __future__ import annotations

@@ -352,14 +352,20 @@ class ParquetSteps:
 
     def set_share(self, plan: Any, rank: int) -> None:
         """Live mode: the plan and this rank's place in it from the next step on (a step's participants change
-        when replicas come and go). Waits for the assembler thread to finish what it began for the old share,
-        then forgets the steps and slices computed for it; the windows loaded stay (they are the same for every
-        share)."""
+        when replicas come and go). The switch runs in the assembler thread, after what it began for the old
+        share; the windows loaded stay (they are the same for every share)."""
         if plan == self.plan and rank == self.rank:
             return
-        self._assembler.submit(lambda: None).result()  # what runs or is queued for the old share is done
+        self._assembler.submit(self._switch, plan, rank).result()
+
+    def _switch(self, plan: Any, rank: int) -> None:
+        """(In the assembler thread, the only one that plans, slices and assembles steps: none runs meanwhile, and
+        every one queued behind this switch reads the new share.) The new share; the steps queued for the old one
+        cancelled, its slices forgotten."""
         with self._lock, self._order_lock:
             self.plan, self.rank = plan, rank
+            for future in self._steps.values():
+                future.cancel()
             self._steps.clear()
             self._slices.clear()
 

@@ -43,7 +43,7 @@ def pack_state(value: Any) -> Any:
     so the next step cannot change the checkpoint) and packed as a `PackedTensor`; other values as they are.
     `unpack_state` inverts it exactly, for every dtype (bfloat16 included)."""
     if isinstance(value, torch.Tensor):
-        copy = value.detach().to("cpu", copy=True).contiguous()
+        copy = value.detach().cpu().clone(memory_format=torch.contiguous_format)  # one copy, contiguous
         return PackedTensor(copy.reshape(-1).view(torch.uint8).numpy(), copy.dtype, tuple(copy.shape))
     if isinstance(value, dict):
         return {k: pack_state(v) for k, v in value.items()}

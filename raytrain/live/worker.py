@@ -24,6 +24,7 @@ from raytrain import faults
 from raytrain.batch_plan import BatchPlan, split_step
 from raytrain.data.id_ranges import IdRanges
 from raytrain.data.materialized import run_total_steps, steps_per_epoch
+from raytrain.data.parquet import ParquetSteps
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
@@ -76,7 +77,7 @@ class LiveWorker:
         from datetime import timedelta
 
         from raytrain.data.materialized import IndexedData, IndexedSteps
-        from raytrain.data.parquet import ParquetIndex, ParquetSteps
+        from raytrain.data.parquet import ParquetIndex
         from raytrain.live.replica import LiveReplica
         from raytrain.ports import free_port
 
@@ -228,11 +229,11 @@ class LiveWorker:
         return outcome
 
     def _gathered_ids(self, share: LiveShare, mine: np.ndarray) -> torch.Tensor | None:
-        """For the audit when this replica holds only its own slice's ids (the Parquet source): the step's ids
+        """For the audit when each replica holds only its own slice's ids (the Parquet source): the step's ids
         with this slice filled in and zeros elsewhere, summed over the participants in the step's all-reduce.
-        None when no audit is asked for or the source knows every id of the step."""
-        if not self.job.spec.loop.audit_samples or len(mine) == share.plan.global_batch:
-            return None
+        None when no audit is asked for or the source knows every id of the step (in memory)."""
+        if not self.job.spec.loop.audit_samples or not isinstance(self.steps, ParquetSteps):
+            return None  # decided alike on every replica: all take part in the all-reduce, or none
         ids = torch.zeros(share.plan.global_batch, dtype=torch.int64)
         ids[share.offset : share.offset + share.count] = torch.from_numpy(np.asarray(mine, dtype=np.int64))
         return ids
