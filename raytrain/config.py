@@ -244,6 +244,12 @@ class ParallelConfig:
             submodule (attention, MLP), and a sequence length divisible by tp.
         device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
         workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
+        dp_shard: workers per replica group in live recovery (`ClusterConfig(recovery="live")`, >= 1, default 1):
+            the group shards the model among itself (strategy zero2 or zero3: FSDP2 over the group) and torchft
+            replicates across groups (HSDP). The world is dp_replicate x dp_shard workers and grows and shrinks
+            by whole groups: min_workers and max_workers must be multiples of it; losing any worker of a group
+            loses the group, and the others finish the step with the same global batch. The restart path shards
+            zero2/zero3 over every worker and takes dp_shard 1 only.
     """
 
     init: str = "auto"
@@ -258,8 +264,10 @@ class ParallelConfig:
     sequence_parallel: bool = False
     device_memory_gb: float | None = None
     workers_per_node: int | None = None
+    dp_shard: int = 1
 
     def __post_init__(self) -> None:
+        _int_at_least("dp_shard", self.dp_shard, 1)
         for name in ("tp", "pp"):
             value = getattr(self, name)
             if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -496,6 +504,12 @@ class TrainSpec:
 
         if self.cluster.recovery == "live":
             check_live(self)
+        elif self.parallel.dp_shard != 1:
+            raise ConfigError(
+                f"parallel.dp_shard={self.parallel.dp_shard} sizes live recovery's replica groups: it needs "
+                'ClusterConfig(recovery="live") (the restart path shards zero2/zero3 over every worker: leave '
+                "dp_shard at 1)"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form, stored in every checkpoint."""
@@ -504,18 +518,33 @@ class TrainSpec:
 
 def check_live(spec: TrainSpec) -> None:
     """What `ClusterConfig(recovery="live")` runs, checked before any worker starts; `ConfigError` naming each
-    field otherwise: data parallel only (one worker per replica: tp = pp = 1, strategy ddp or auto, which live
-    mode runs as ddp), fp32, CPU workers (gloo), deterministic mode (the step number gives the data position), a
-    local or shared storage path."""
+    field otherwise: data parallel (tp = pp = 1) in replica groups of `parallel.dp_shard` workers (one: strategy
+    ddp or auto, run as ddp, each replica holding the whole model; more: zero2 or zero3 over the group, and
+    min_workers and max_workers multiples of dp_shard), fp32 or bf16, CPU workers (gloo), deterministic mode (the
+    step number gives the data position), a local or shared storage path."""
     problems = []
+    shard = spec.parallel.dp_shard
     if spec.parallel.degrees != (1, 1):
         problems.append(f"parallel tp and pp must be 1, got tp={spec.parallel.tp}, pp={spec.parallel.pp}")
-    if spec.loop.strategy not in ("ddp", "auto"):
+    if shard == 1 and spec.loop.strategy not in ("ddp", "auto"):
         problems.append(
-            f"loop.strategy must be 'ddp' or 'auto' (each replica holds the whole model), got {spec.loop.strategy!r}"
+            f"loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica holds the whole model; "
+            f"set dp_shard > 1 to shard it within replica groups), got {spec.loop.strategy!r}"
         )
-    if spec.parallel.precision != "fp32":
-        problems.append(f"parallel.precision must be 'fp32', got {spec.parallel.precision!r}")
+    if shard > 1 and spec.loop.strategy not in ("zero2", "zero3"):
+        problems.append(
+            f"loop.strategy must be 'zero2' or 'zero3' with parallel.dp_shard={shard} (the group shards the model), "
+            f"got {spec.loop.strategy!r}"
+        )
+    for name in ("min_workers", "max_workers"):
+        value = getattr(spec.cluster, name)
+        if value % shard:
+            problems.append(
+                f"cluster.{name}={value} must be a multiple of parallel.dp_shard={shard} (the world grows and "
+                f"shrinks by whole replica groups: e.g. {max(shard, value - value % shard)})"
+            )
+    if spec.parallel.precision not in ("fp32", "bf16"):
+        problems.append(f"parallel.precision must be 'fp32' or 'bf16', got {spec.parallel.precision!r}")
     if spec.cluster.use_gpu:
         problems.append("cluster.use_gpu must be False (live replicas run gloo on CPU; not tried on GPUs)")
     if not spec.loop.deterministic:

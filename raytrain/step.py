@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -46,6 +47,23 @@ class StepResult:
     loss_sum: float
     grad_norm: float
     stepped: bool
+    committed: bool = True  # False: the step's replication did not commit it (live mode); nothing was stepped
+
+
+class Replication(Protocol):
+    """The data-parallel reduction across replica groups when something other than the default process group does
+    it: live mode's torchft manager (`raytrain.live.replica.TorchftReplication`), whose groups come and go between
+    steps. The step calls `reduce` once every rank of the group holds its group's gradient (FSDP's reduce-scatter
+    over the group done, or the whole gradient with one worker per group) and `commit` before stepping."""
+
+    def reduce(self, gradients: list[torch.Tensor], loss_sum: float) -> float:
+        """Average `gradients` (this rank's local tensors, in place) over the groups taking part and return
+        `loss_sum` (the group's) summed over them; a failed peer leaves them undefined and `commit` False."""
+        ...
+
+    def commit(self) -> bool:
+        """Whether every group taking part completed the step's reduction: only then is the update applied."""
+        ...
 
 
 class Step:
@@ -56,6 +74,9 @@ class Step:
     count B: each backward adds its summed per-sample loss x dp / B, so after the average the gradient is the
     mean over the whole global batch, whatever the split. Gradients sync as `policy` says (by default on the last
     micro-step only). With `scaler` (fp16) the loss is scaled and the gradients unscaled before the norm.
+    With `replication` (live mode) the default process group is one replica group's and `replicas` counts the
+    ranks of every group taking part: the gradients and loss are then reduced across the groups by it, and the
+    optimizer steps only when it commits.
 
     `agree`, when given, returns a few floats this rank wants maxed over every rank at the step's end (the loop's
     drain deadline, checkpoint progress and data wait): they ride in the loss's collective, which becomes one
@@ -74,9 +95,10 @@ class Step:
         scaler: torch.amp.GradScaler | None = None,
         agree: Callable[[], list[float]] | None = None,
         seeds: Callable[..., None] | None = None,
+        replication: Replication | None = None,
     ) -> None:
         self.model, self.optimizer, self.policy, self.scaler = model, optimizer, policy, scaler
-        self.seeds = seeds
+        self.seeds, self.replication = seeds, replication
         self._agree = agree
         self.agreed: list[float] | None = None
         self.replicas, self.total, self.max_grad_norm = replicas, step_total, max_grad_norm
@@ -206,13 +228,16 @@ class Step:
             loss_sum = all_reduce_sum(local)
         else:
             loss_sum, self.agreed = all_reduce_sum_and_max(local, self._agree())
+        if self.replication is not None:
+            loss_sum = self.replication.reduce(replicated_gradients(model), loss_sum)
         norm = global_grad_norm(policy.norm_parameters(model) if policy.stage_ties else model.parameters())
         if policy.pp_group is not None:  # each stage holds its own parameters: the squares add up over the pipeline
             norm = torch.tensor(math.sqrt(all_reduce_sum(float(norm) ** 2, policy.pp_group)), dtype=norm.dtype)
         finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
-        if not finite:
+        committed = self.replication is None or self.replication.commit()
+        if not finite or not committed:
             optimizer.zero_grad(set_to_none=True)
-            self.result = StepResult(loss_sum, float(norm), stepped=False)
+            self.result = StepResult(loss_sum, float(norm), stepped=False, committed=committed)
             return self.result
         if self.max_grad_norm is not None:
             clip_grad_norm_(model.parameters(), self.max_grad_norm, norm)
@@ -232,6 +257,23 @@ class Step:
         return self.result.loss_sum / self.total
 
 
+def replicated_gradients(model: nn.Module) -> list[torch.Tensor]:
+    """The local gradient tensors of every trainable parameter, in the model's order (a DTensor's local shard;
+    zeros where a parameter got no gradient, as one process on the whole batch would see it): what a
+    `Replication` reduces. Every replica group lists the same tensors in the same order, whatever branches its
+    samples took."""
+    from torch.distributed.tensor import DTensor
+
+    grads = []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    return grads
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -243,8 +285,21 @@ def train_step(
     policy: StepPolicy = SYNC_LAST_MICRO_STEP,
     scaler: torch.amp.GradScaler | None = None,
     seeds: Callable[..., None] | None = None,
+    replication: Replication | None = None,
 ) -> StepResult:
     """One optimizer step over this rank's micro-batches with `loss_fn` (collective: every rank calls it); see
-    `Step` for the arithmetic. `seeds(j)`, when given, seeds micro-batch j's random ops (`raytrain.rng`)."""
-    step = Step(model, optimizer, micro_batches, replicas, step_total, max_grad_norm, policy, scaler, seeds=seeds)
+    `Step` for the arithmetic. `seeds(j)`, when given, seeds micro-batch j's random ops (`raytrain.rng`);
+    `replication` reduces across live mode's replica groups."""
+    step = Step(
+        model,
+        optimizer,
+        micro_batches,
+        replicas,
+        step_total,
+        max_grad_norm,
+        policy,
+        scaler,
+        seeds=seeds,
+        replication=replication,
+    )
     return step.train(loss_fn)

@@ -95,6 +95,7 @@ class DemoOptions:
     cluster_yaml: str = ""  # the node types for --autoscale; "" = the cluster.yaml shipped with raytrain
     idle_timeout_s: float = 10.0  # --autoscale: an idle worker node is removed after this long
     recovery: str = "restart"  # "live": torchft replica groups, survivors never restart (ClusterConfig.recovery)
+    dp_shard: int = 1  # live mode: workers per replica group, sharding the model (ParallelConfig.dp_shard)
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
@@ -122,18 +123,31 @@ class DemoOptions:
             raise ConfigError(f"sample_time must be >= 0 seconds, got {self.sample_time_s}")
         BatchConfig(global_batch=self.global_batch, micro_batch=self.micro_batch)
         ClusterConfig(min_workers=self.min_workers, max_workers=self.max_workers, recovery=self.recovery)
+        ParallelConfig(dp_shard=self.dp_shard)
+        if self.recovery != "live" and self.dp_shard != 1:
+            raise ConfigError(
+                f"--dp-shard {self.dp_shard} sizes live mode's replica groups: add --recovery live (or leave it out)"
+            )
         if self.recovery == "live":
+            strategies = ("ddp",) if self.dp_shard == 1 else ("zero2", "zero3")
             live_problems = [
                 f"{name} {value!r} (live mode runs {valid})"
                 for name, value, valid in (
                     ("--tp", self.tp, 1),
                     ("--pp", self.pp, 1),
-                    ("--strategy", self.strategy, "ddp"),
                     ("--deterministic", self.deterministic, True),
                     ("--autoscale", self.autoscale, False),
                 )
                 if value != valid
             ]
+            if self.strategy not in strategies:
+                live_problems.append(
+                    f"--strategy {self.strategy!r} (live mode runs {' or '.join(strategies)} with --dp-shard "
+                    f"{self.dp_shard})"
+                )
+            for name, value in (("--workers min", self.min_workers), ("--workers max", self.max_workers)):
+                if value % self.dp_shard:
+                    live_problems.append(f"{name} {value} (a multiple of --dp-shard {self.dp_shard}: whole groups)")
             if live_problems:
                 raise ConfigError("--recovery live cannot run with " + ", ".join(live_problems))
             from raytrain.live import require_torchft
@@ -794,7 +808,7 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
             resize_monitor_interval_s=options.resize_monitor_interval_s,
             recovery=options.recovery,
         ),
-        parallel=ParallelConfig(tp=options.tp, pp=options.pp),
+        parallel=ParallelConfig(tp=options.tp, pp=options.pp, dp_shard=options.dp_shard),
         tp_plan_fn=mlp_tp_plan,  # used when tp > 1: the hidden layer's units split over the tp workers
         required_columns=("x", "y"),
     )

@@ -303,6 +303,13 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--storage", default="raytrain_runs", help="directory for runs (default %(default)s)")
     p.add_argument("--run-name", default="", help="run directory name (default: demo-<timestamp>)")
     p.add_argument("--strategy", default="ddp", choices=["ddp", "zero1", "zero2", "zero3", "auto"])
+    p.add_argument(
+        "--dp-shard",
+        type=int,
+        default=1,
+        help="with --recovery live: workers per replica group, sharding the model with --strategy zero2/zero3 "
+        "(HSDP; the world grows and shrinks by whole groups; default %(default)s)",
+    )
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default %(default)s)")
     p.add_argument(
         "--background-save",
@@ -402,6 +409,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         sample_time_s=args.sample_time,
         epoch_steps=args.epoch_steps,
         recovery=args.recovery,
+        dp_shard=args.dp_shard,
     )
     summary = run_demo(options)
     if args.json:

@@ -43,20 +43,44 @@ REPLACE_PATIENCE_S = 30.0  # below min_workers, wait this long for a replacement
 
 @dataclass
 class _Replica:
-    """A replica's actor and where it stands: `ready` (its pid and node) until built, then `running`."""
+    """A replica group's actors (one per rank: `dp_shard` of them) and where it stands: `ready` (each rank's
+    `build`) until built, then `running` (each rank's `run`)."""
 
     index: int
     generation: int
-    actor: Any
-    ready: Any
+    actors: list[Any]
+    ready: dict[Any, int]  # each rank's `build` ref not yet returned -> its rank
     started: float
-    running: Any = None
-    pid: int | None = None
-    node: str | None = None
+    built: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (pid, node) once built
+    running: dict[Any, int] = field(default_factory=dict)  # each rank's `run` ref not yet returned -> its rank
+    launched: bool = False
+
+    @property
+    def pids(self) -> list[int]:
+        """Every built rank's process id, in rank order."""
+        return [self.built[rank][0] for rank in sorted(self.built)]
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every built rank's Ray node id, in rank order."""
+        return [self.built[rank][1] for rank in sorted(self.built)]
 
     @property
     def name(self) -> str:
         return f"r{self.index}" if self.generation == 0 else f"r{self.index}.{self.generation}"
+
+    @property
+    def pid(self) -> int | None:
+        """The process id of its rank 0 (None while it starts); `pids` has every rank's."""
+        return self.pids[0] if self.pids else None
+
+    def who(self) -> str:
+        """The group for log lines: "replica r1 (pid 123)", "replica r1 (pids 123, 124)", "(starting)"."""
+        if not self.pids:
+            return f"replica {self.name} (starting)"
+        if len(self.pids) == 1:
+            return f"replica {self.name} (pid {self.pids[0]})"
+        return f"replica {self.name} (pids {', '.join(map(str, self.pids))})"
 
 
 @dataclass
@@ -83,7 +107,8 @@ class LiveRun:
     def __init__(self, job: WorkerJob, run_dir: str) -> None:
         self.job, self.run_dir = job, run_dir
         cluster = job.spec.cluster
-        self.min, self.max = cluster.min_workers, cluster.max_workers
+        self.dp_shard = job.spec.parallel.dp_shard  # workers per replica group
+        self.min, self.max = cluster.min_workers // self.dp_shard, cluster.max_workers // self.dp_shard  # groups
         self.replicas: dict[int, _Replica] = {}
         self.result = LiveResult([])
         self._lighthouse: Any = None
@@ -96,8 +121,9 @@ class LiveRun:
     # -- the actors ---------------------------------------------------------------------------------------------
 
     def _start_replica(self, index: int, restore: Any, floor: int) -> None:
-        """Start replica `index`'s next actor: from `restore` (a checkpoint's state) at a group's start, else
-        healing from a peer; `floor` is the steps the run has committed (a quorum behind it had no peer)."""
+        """Start replica group `index`'s next actors, one per rank: from `restore` (a checkpoint's state) at a
+        group's start, else healing from a peer; `floor` is the steps the run has committed (a quorum behind it had
+        no peer). Rank 0 serves the group's store; every rank's `build` waits for its address (an object ref)."""
         import ray
 
         from raytrain.trainer import worker_env
@@ -107,45 +133,58 @@ class LiveRun:
         generation = self._generations.get(index, 0)
         self._generations[index] = generation + 1
         replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
-        settings = LiveSettings(
-            lighthouse=self._lighthouse.address(), replica_id=replica_id, group=self._group, floor=floor
-        )
-        actor = (
-            ray.remote(LiveWorker)
-            .options(
-                num_cpus=cpus,
-                resources=resources,
-                max_restarts=0,
-                runtime_env={"env_vars": {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}},
+        actors = []
+        for rank in range(self.dp_shard):
+            settings = LiveSettings(
+                lighthouse=self._lighthouse.address(),
+                replica_id=replica_id,
+                group=self._group,
+                floor=floor,
+                shard_rank=rank,
+                dp_shard=self.dp_shard,
             )
-            .remote(self.job, settings, self._log, restore)
-        )
-        ready = actor.whoami.remote()  # type: ignore[attr-defined]  # a Ray actor handle
-        self.replicas[index] = _Replica(index, generation, actor, ready, time.monotonic())
+            actors.append(
+                ray.remote(LiveWorker)
+                .options(
+                    num_cpus=cpus,
+                    resources=resources,
+                    max_restarts=0,
+                    runtime_env={"env_vars": {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}},
+                )
+                .remote(self.job, settings, self._log, restore)
+            )
+        store = actors[0].address.remote()  # type: ignore[attr-defined]  # a Ray actor handle
+        ready = {actor.build.remote(store): rank for rank, actor in enumerate(actors)}  # type: ignore[attr-defined]
+        self.replicas[index] = _Replica(index, generation, actors, ready, time.monotonic())
 
-    def _stop_all(self) -> None:
+    def _stop(self, replica: _Replica) -> None:
         import ray
 
+        for actor in replica.actors:
+            ray.kill(actor, no_restart=True)
+
+    def _stop_all(self) -> None:
         for replica in self.replicas.values():
-            ray.kill(replica.actor, no_restart=True)
+            self._stop(replica)
         self.replicas.clear()
 
     def kill_replica(self) -> str:
-        """SIGKILL the process of the running replica with the highest index (as the OOM killer or a lost node
-        would); returns what was done."""
+        """SIGKILL one process of the running replica group with the highest index (its last rank, as the OOM
+        killer or a lost node would); the group is lost with it. Returns what was done."""
         import ray
 
         replicas = list(self.replicas.values())  # a snapshot: fit()'s thread changes the dict
-        running = [r for r in replicas if r.running is not None and r.pid is not None]
+        running = [r for r in replicas if r.launched and len(r.built) == len(r.actors)]
         if not running:
             return "no running replica to kill"
         target = max(running, key=lambda r: r.index)
-        assert target.pid is not None
-        if target.node == ray.get_runtime_context().get_node_id():
-            os.kill(target.pid, signal.SIGKILL)
+        pid, node = target.pids[-1], target.nodes[-1]
+        if node == ray.get_runtime_context().get_node_id():
+            os.kill(pid, signal.SIGKILL)
         else:
-            ray.kill(target.actor, no_restart=True)
-        return f"SIGKILL live replica {target.name} (pid {target.pid})"
+            ray.kill(target.actors[-1], no_restart=True)
+        rank = f" rank {len(target.pids) - 1}" if len(target.pids) > 1 else ""
+        return f"SIGKILL live replica {target.name}{rank} (pid {pid})"
 
     # -- the run ------------------------------------------------------------------------------------------------
 
@@ -227,17 +266,18 @@ class LiveRun:
         from raytrain.batch_plan import plan_batch
 
         spec = self.job.spec
-        plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, len(ready))
+        world = len(ready) * self.dp_shard
+        plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, world)
         event = {
             "step": restored,
-            "world_size": len(ready),
-            "layout": {"dp": len(ready), "tp": 1, "pp": 1},
+            "world_size": world,
+            "layout": {"dp": world, "dp_replicate": len(ready), "dp_shard": self.dp_shard, "tp": 1, "pp": 1},
             "plan": plan.to_dict(),
             "lr": spec.lr.peak_lr(spec.batch.global_batch),
-            "strategy": "ddp",
+            "strategy": spec.loop.strategy if self.dp_shard > 1 else "ddp",
             "recovery": "live",
             "restored": restored > 0,
-            "pids": [r.pid for r in sorted(ready, key=lambda r: r.index)],
+            "pids": [pid for r in sorted(ready, key=lambda r: r.index) for pid in r.pids],
             "entered": time.time(),
         }
         ray.get(self._log.begin.remote(self._group, restored, event, self.total_steps))
@@ -268,44 +308,53 @@ class LiveRun:
         restored, restore = self._restore()
         for index in range(self.max):
             self._start_replica(index, restore, floor=restored)
-        refs = {r.ready: r for r in self.replicas.values()}
-        ready, _ = ray.wait(list(refs), num_returns=self.min, timeout=START_TIMEOUT_S)
-        if len(ready) < self.min:
-            placed = len(ready)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while sum(not r.ready for r in self.replicas.values()) < self.min and time.monotonic() < deadline:
+            self._settle(ray.wait(self._ready_refs(), num_returns=1, timeout=deadline - time.monotonic())[0])
+        settled = sum(not r.ready for r in self.replicas.values())
+        if settled < self.min:
             self._stop_all()
             raise TimeoutError(
-                f"live mode: only {placed} of min_workers={self.min} replicas could be placed and built within "
-                f"{START_TIMEOUT_S:.0f} s (resources_per_worker={self.job.spec.cluster.resources_per_worker})"
+                f"live mode: only {settled} of min_workers={self.min * self.dp_shard} workers ({self.min} replica "
+                f"group(s) of dp_shard={self.dp_shard}) could be placed and built within {START_TIMEOUT_S:.0f} s "
+                f"(resources_per_worker={self.job.spec.cluster.resources_per_worker})"
             )
-        ready += ray.wait([ref for ref in refs if ref not in ready], num_returns=len(refs) - len(ready), timeout=1.0)[0]
-        built = [refs[ref] for ref in ready if self._built(refs[ref], ref)]
+        grace = time.monotonic() + 1.0  # the others that are about ready start with them
+        while self._ready_refs() and time.monotonic() < grace:
+            self._settle(ray.wait(self._ready_refs(), num_returns=1, timeout=grace - time.monotonic())[0])
+        built = [r for r in self.replicas.values() if not r.ready]
         if not built:
             return self._fall_back(0, "no replica could be started")
         self._begin(restored, built)  # the log knows the group before any replica can commit a step
         for replica in built:
-            replica.running = replica.actor.run.remote()
+            self._run(replica)
         finished = False
         below_since: float | None = None
         while True:
             tick()
-            waiting = {r.ready: r for r in self.replicas.values() if r.running is None}
-            running = {r.running: r for r in self.replicas.values() if r.running is not None}
+            waiting = self._ready_refs()
+            running = {ref: r for r in self.replicas.values() for ref in r.running}
             if not running and (finished or not waiting):
                 return None
             done, _ = ray.wait([*waiting, *running], num_returns=1, timeout=0.2)
-            for ref in done:
-                if ref in waiting:
+            if done and done[0] not in running:
+                for replica in self._settle(done):
                     if finished:
-                        ray.kill(waiting[ref].actor, no_restart=True)
-                        del self.replicas[waiting[ref].index]
-                    elif self._built(waiting[ref], ref):
-                        self._launch(waiting[ref])
-                    continue
+                        self._stop(replica)
+                        del self.replicas[replica.index]
+                    else:
+                        self._launch(replica)
+                done = []
+            for ref in done:
                 replica = running[ref]
+                if self.replicas.get(replica.index) is not replica:
+                    continue  # lost with another of its ranks
                 try:
                     self.result.outcomes.append(ray.get(ref))
                     finished = True
-                    del self.replicas[replica.index]
+                    del replica.running[ref]
+                    if not replica.running:
+                        del self.replicas[replica.index]
                 except RayActorError:
                     self._lost(replica, replace=not finished, why="its process died")
                 except RayTaskError as err:
@@ -314,7 +363,7 @@ class LiveRun:
                     else:  # the user's code (or a non-finite step with on_nonfinite="stop"): fail once
                         self._stop_all()
                         raise err.as_instanceof_cause() from None
-            alive = sum(1 for r in self.replicas.values() if r.running is not None)
+            alive = sum(1 for r in self.replicas.values() if r.launched)
             if alive == 0 and not finished:  # nobody to heal from: a replacement would start from scratch
                 return self._fall_back(0, "every replica is lost")
             if alive >= self.min or finished:
@@ -324,7 +373,8 @@ class LiveRun:
             elif time.monotonic() - below_since > REPLACE_PATIENCE_S:
                 return self._fall_back(
                     alive,
-                    f"{alive} replica(s) alive, below min_workers={self.min}, and no replacement could be placed "
+                    f"{alive} replica group(s) alive, below min_workers={self.min * self.dp_shard} "
+                    f"({self.min} group(s) of dp_shard={self.dp_shard}), and no replacement could be placed "
                     f"within {REPLACE_PATIENCE_S:.0f} s",
                 )
 
@@ -345,27 +395,46 @@ class LiveRun:
         self._stop_all()
         return reason
 
-    def _built(self, replica: _Replica, ready_ref: Any) -> bool:
-        """Record a built replica's pid and node (False, and it counts as lost, when it died while starting)."""
-        import ray
-        from ray.exceptions import RayActorError
+    def _ready_refs(self) -> list[Any]:
+        """The `build` refs not yet returned, of every group still starting."""
+        return [ref for r in self.replicas.values() for ref in r.ready]
 
-        try:
-            replica.pid, replica.node, self.total_steps = ray.get(ready_ref)
-        except RayActorError as err:  # died while being built: say why (the user's functions were checked)
-            cause = str(err).strip().splitlines()
-            self._lost(replica, replace=True, why=f"failed while starting: {cause[-1] if cause else err!r}")
-            return False
-        self._log.membership.remote({"kind": "started", "replica": replica.name, "pid": replica.pid})
-        return True
+    def _settle(self, done: list[Any]) -> list[_Replica]:
+        """Take the returned `build` refs in `done`: record each rank's pid and node; a rank that died while
+        starting loses its group (counted, its cause in the log, a replacement started). Returns the groups that
+        are now built in full."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        complete = []
+        for ref in done:
+            replica = next((r for r in self.replicas.values() if ref in r.ready), None)
+            if replica is None:
+                continue  # its group was lost meanwhile
+            rank = replica.ready.pop(ref)
+            try:
+                pid, node, self.total_steps = ray.get(ref)
+            except (RayActorError, RayTaskError) as err:  # died while being built (the user's functions were checked)
+                cause = str(err).strip().splitlines()
+                self._lost(replica, replace=True, why=f"failed while starting: {cause[-1] if cause else err!r}")
+                continue
+            replica.built[rank] = (pid, node)
+            if not replica.ready:
+                self._log.membership.remote({"kind": "started", "replica": replica.name, "pids": replica.pids})
+                complete.append(replica)
+        return complete
+
+    def _run(self, replica: _Replica) -> None:
+        """Every rank of a built group starts training."""
+        replica.running = {actor.run.remote(): rank for rank, actor in enumerate(replica.actors)}
+        replica.launched = True
 
     def _launch(self, replica: _Replica) -> None:
         """A replacement built during the run starts training: it heals from a peer at its first quorum."""
-        replica.running = replica.actor.run.remote()
+        self._run(replica)
         self._note(
-            f"replica {replica.name} (pid {replica.pid}) joined; it heals from a peer and takes part from the next "
-            "step",
-            {"kind": "joined", "replica": replica.name, "pid": replica.pid},
+            f"{replica.who()} joined; it heals from a peer and takes part from the next step",
+            {"kind": "joined", "replica": replica.name, "pid": replica.pid, "pids": replica.pids},
         )
 
     def _lost(self, replica: _Replica, replace: bool, why: str) -> None:
@@ -374,12 +443,13 @@ class LiveRun:
         import ray
 
         del self.replicas[replica.index]
+        self._stop(replica)  # the group's other ranks cannot go on without it
         step = ray.get(self._log.last_step.remote())
         self.result.lost.append(
             {"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time(), "why": why}
         )
-        who = f"replica {replica.name} (pid {replica.pid})" if replica.pid else f"replica {replica.name} (starting)"
-        others = sum(1 for r in self.replicas.values() if r.running is not None)
+        who = replica.who()
+        others = sum(1 for r in self.replicas.values() if r.launched)
         going_on = (
             f"{others} go on with the same global batch, no restart" + ("; starting a replacement" if replace else "")
             if others

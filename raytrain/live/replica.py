@@ -5,29 +5,30 @@ torchft (https://github.com/pytorch/torchft) forms a quorum of replica groups at
 a replica that dies is dropped from the next quorum while the others go on, and a replacement (or a replica that
 fell behind) receives the model and optimizer state from a healthy peer before it takes part. What torchft does
 not do is keep the batch: its replicas each train their own batch, so the effective batch shrinks with them.
-`LiveReplica` adds raytrain's rule on top:
+raytrain adds its rule on top:
 
-* at step s the P participants split that step's B samples (global positions s·B .. s·B + B - 1 of the order) with
-  the batch plan computed for P (`raytrain.batch_plan.split_step(B, micro_batch, P)`); participant r takes its
-  contiguous slice in its micro-batches;
-* each participant's loss is the sum of its per-sample losses times P / B, and torchft averages the gradients over
-  the P participants, so the update is the mean over all B samples: the same as one process on the whole batch,
-  whatever P is;
-* the optimizer steps only when torchft's `should_commit` says so. A replica that fails mid-step makes the
+* a replica group is `dp_shard` workers (`ParallelConfig(dp_shard=...)`; one by default) that shard the model
+  among themselves (zero2/zero3: FSDP2 over the group's own process group), torchft's HSDP: torchft replicates
+  across groups, each rank with the same rank of the other groups;
+* at step s the P groups' P x dp_shard ranks split that step's B samples (global positions s·B .. s·B + B - 1 of
+  the order) with the batch plan computed for them (`raytrain.batch_plan.split_step`); data rank
+  q·dp_shard + k (group q of the quorum, rank k in it) takes its contiguous slice in its micro-batches;
+* the step is the restart path's (`raytrain.step.Step`): each backward scaled by P·dp_shard / B, FSDP averaging
+  over the group, then `TorchftReplication` averaging over the P groups: the update is the mean over all B
+  samples, the same as one process on the whole batch, whatever P is;
+* the optimizer steps only when torchft's `should_commit` says so. A replica group that fails mid-step makes the
   step's collective fail on the others, which then do not commit it (never half-applied); the next quorum
   redoes the same step s, with the same B samples, split over the new participants. `should_commit` is decided
   per replica group: if one group committed a step that another did not, the other is behind at the next
   quorum and heals from a peer, so every replica holds the committed update.
 
-This module is the step alone, run by one process per replica group (tested with real torchft processes, a
-lighthouse and a kill in `tests/test_live.py`); `raytrain.live.worker` runs it in a Ray actor over the run's data,
-`raytrain.live.driver` keeps the replicas going.
+This module is torchft's side of one rank (tested with real torchft processes, a lighthouse and a kill in
+`tests/test_live.py`); `raytrain.live.worker` runs it in a Ray actor over the run's data, `raytrain.live.driver`
+keeps the replica groups going.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -47,19 +48,6 @@ class Quorum:
     step: int
     participants: int
     rank: int
-
-
-@dataclass(frozen=True)
-class LiveStep:
-    """What `LiveReplica.train_step` did: whether this replica group committed the step, the step's mean
-    per-sample loss over all its samples and the norm of the averaged gradient (before clipping), and whether
-    both are finite (if not, nothing was stepped, as in the restart path)."""
-
-    committed: bool
-    loss: float
-    grad_norm: float
-    finite: bool
-    ids: torch.Tensor | None = None  # the step's sample ids summed over the participants (`train_step`'s `ids`)
 
 
 class LiveReplicaLost(RuntimeError):
@@ -92,11 +80,6 @@ class LiveShare:
         """Sizes of this replica's micro-batches (some may be 0 when B < P x accumulation)."""
         return self.plan.micro_batches[self.rank]
 
-    @property
-    def loss_scale(self) -> float:
-        """Multiplier of the summed per-sample loss: P / B (torchft averages the gradients over P)."""
-        return self.participants / self.plan.global_batch
-
 
 def live_share(step: int, step_batch: int, micro_batch: int, participants: int, rank: int) -> LiveShare:
     """Pure: participant `rank` of `participants`'s share of step `step`, whose batch holds `step_batch` samples
@@ -108,13 +91,54 @@ def live_share(step: int, step_batch: int, micro_batch: int, participants: int, 
     return LiveShare(step, participants, rank, split_step(step_batch, micro_batch, participants))
 
 
-class LiveReplica:
-    """One replica group's side of a live run: a torchft `Manager` over `model` and `optimizer` (its state is what
-    a healing peer receives), and the exact-batch step.
+class TorchftReplication:
+    """The dp-axis reduction of live mode (a `raytrain.step.Replication`): the gradients averaged and the loss
+    summed over the replica groups of this step's quorum through torchft's manager, and `commit` its
+    `should_commit`. Each rank of a group reduces with the same rank of every other group (its shard, when the
+    group shards the model). `ids` (int64, the step's sample ids: this group's slices filled in, zeros elsewhere)
+    is summed with them, so every participant holds the step's ids afterwards (the audit's, when each replica
+    reads only its own slice)."""
 
-    `lighthouse`: the torchft lighthouse's address; `replica_id`: unique per replica group; `store_port`: a free
-    port for this group's own TCP store (one worker per group here). Timeouts bound how long a failure stalls the
-    survivors: a dead peer's all-reduce fails after `timeout`.
+    def __init__(self, manager: Any, pg: Any, ids: torch.Tensor | None = None) -> None:
+        self.manager, self.pg, self.ids = manager, pg, ids
+
+    def reduce(self, gradients: list[torch.Tensor], loss_sum: float) -> float:
+        """One all-reduce per dtype over the flattened gradients (averaged over the participants), one for the
+        loss and one for the ids (summed); a peer that died mid-collective closes this rank's connections at once
+        (a survivor still waiting on it then fails now, not at the collective timeout)."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for grad in gradients:
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        flats = {dtype: torch.cat([g.reshape(-1) for g in grads]) for dtype, grads in by_dtype.items()}
+        loss = torch.tensor([loss_sum], dtype=torch.float64)
+        works = [self.manager.allreduce(flat) for flat in flats.values()]
+        works.append(self.manager.allreduce(loss, reduce_op=ReduceOp.SUM))
+        if self.ids is not None:
+            works.append(self.manager.allreduce(self.ids, reduce_op=ReduceOp.SUM))
+        for work in works:
+            work.wait()
+        if self.manager.errored() is not None:
+            self.pg.abort()
+        for dtype, grads in by_dtype.items():
+            offset = 0
+            for g in grads:
+                g.copy_(flats[dtype][offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        return float(loss)
+
+    def commit(self) -> bool:
+        """torchft's vote: True when every rank of this group completed the step's collectives."""
+        return bool(self.manager.should_commit())
+
+
+class LiveReplica:
+    """One replica group's torchft side on one of its ranks: a `Manager` over `model` and `optimizer` (this rank's
+    state, its shard when the group shards the model, is what the same rank of a healing group receives).
+
+    `lighthouse`: the torchft lighthouse's address; `replica_id`: unique per replica group; `rank` of
+    `world_size`: this worker's rank in its group; `store_addr`/`store_port`: the group's TCP store (served by
+    its rank 0). Timeouts bound how long a failure stalls the survivors: a dead peer's all-reduce fails after
+    `timeout`.
     """
 
     def __init__(
@@ -124,16 +148,17 @@ class LiveReplica:
         *,
         lighthouse: str,
         replica_id: str,
+        store_addr: str,
         store_port: int,
+        rank: int = 0,
+        world_size: int = 1,
         timeout: timedelta = timedelta(seconds=5),
         quorum_timeout: timedelta = timedelta(seconds=30),
     ) -> None:
-        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
-        self.model, self.optimizer = model, optimizer
-        self._store = TCPStore("127.0.0.1", store_port, 1, is_master=True, wait_for_workers=False)
+        self.model, self.optimizer, self.rank = model, optimizer, rank
         pg = self._pg = ProcessGroupGloo(timeout=timeout)
         self.manager = Manager(
             pg=pg,
@@ -143,9 +168,10 @@ class LiveReplica:
             use_async_quorum=False,  # healing completes before the step's forward
             timeout=timeout,
             quorum_timeout=quorum_timeout,
-            rank=0,
-            world_size=1,
-            store_addr="127.0.0.1",
+            connect_timeout=quorum_timeout,
+            rank=rank,
+            world_size=world_size,
+            store_addr=store_addr,
             store_port=store_port,
             lighthouse_addr=lighthouse,
             replica_id=replica_id,
@@ -160,14 +186,32 @@ class LiveReplica:
         self.optimizer.load_state_dict(state["optim"])
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Load a live checkpoint (`state_dict()`'s form) before the first quorum: model, optimizer and the step
-        count, so the replicas of a restarted group go on from its step."""
-        self._load_state_dict(state)
+        """Load a live checkpoint (`full_state()`'s form, the whole model whatever the group's sharding) before the
+        first quorum: model, optimizer and the step count, so the replicas of a restarted group go on from its
+        step. Every rank of the group calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(full_state_dict=True),
+        )
         self.manager.load_state_dict(state["manager"])
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and torchft's step count: what a live checkpoint holds."""
-        return {**self._state_dict(), "manager": self.manager.state_dict()}
+    def full_state(self) -> dict[str, Any] | None:
+        """The whole model and optimizer state (keyed by parameter name, on the CPU) and torchft's step count:
+        what a live checkpoint holds, at any group sharding. A collective over the group when it shards the
+        model: every rank calls it, rank 0 gets the state, the others None."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        model, optim = get_state_dict(
+            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank != 0:
+            return None
+        return {"model": model, "optim": optim, "manager": self.manager.state_dict()}
 
     def start_step(self) -> Quorum:
         """Join this step's quorum (healing from a peer first when behind) and return it; its step is the one
@@ -180,55 +224,9 @@ class LiveReplica:
         assert rank is not None, "a synchronous quorum always makes this replica a participant"
         return Quorum(self.manager.current_step(), self.manager.num_participants(), rank)
 
-    def train_step(
-        self,
-        share: LiveShare,
-        micro_batches: Iterator[dict[str, torch.Tensor]],
-        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-        fault: Callable[[str], None] = lambda phase: None,
-        max_grad_norm: float | None = None,
-        ids: torch.Tensor | None = None,
-    ) -> LiveStep:
-        """Forward/backward of `share`'s micro-batches (the per-sample losses times `share.loss_scale`), the
-        gradients of the trainable parameters averaged over the participants, and then, if this replica group
-        commits (torchft's `should_commit`) and the averaged loss and gradient are finite: clipping to
-        `max_grad_norm` (the norm of the averaged gradient, the same on every replica) and the optimizer step.
-        `fault(phase)` is called between each forward and its backward ("backward") and between the last backward
-        and the gradient all-reduce ("optimizer"): where `raytrain.faults` and the tests kill a replica. `ids`
-        (int64, one per sample of the step: this replica's slice filled in, zeros elsewhere) is summed over the
-        participants with the gradients, so every participant returns the step's ids (the audit's, when each
-        replica reads only its own slice)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer.zero_grad(set_to_none=False)
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        local = 0.0
-        for batch in micro_batches:
-            losses = loss_fn(self.model, batch)
-            fault("backward")
-            (losses.sum() * share.loss_scale).backward()
-            local += float(losses.detach().sum())
-        fault("optimizer")
-        loss = torch.tensor([local * share.loss_scale], dtype=torch.float64)  # averaged over P: sum / B
-        works = [self.manager.allreduce(t) for t in (*(p.grad for p in params if p.grad is not None), loss)]
-        if ids is not None:
-            works.append(self.manager.allreduce(ids, reduce_op=ReduceOp.SUM))
-        for work in works:
-            work.wait()
-        if self.manager.errored() is not None:
-            # A peer died mid-collective. Close this replica's connections at once: a survivor still waiting on
-            # this one (a ring passes through every replica) then fails now instead of at the collective timeout.
-            self._pg.abort()
-        committed = self.manager.should_commit()
-        mean = float(loss)
-        norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        finite = math.isfinite(mean) and math.isfinite(norm)
-        if committed and finite:
-            if max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-            self.optimizer.step()
-        return LiveStep(committed, mean, norm, finite, ids)
+    def replication(self, ids: torch.Tensor | None = None) -> TorchftReplication:
+        """This step's reduction across the replica groups (`raytrain.step.Step(replication=...)`)."""
+        return TorchftReplication(self.manager, self._pg, ids)
 
     def shutdown(self) -> None:
         """Leave the quorum and stop torchft's background threads."""

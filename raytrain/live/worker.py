@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
 from raytrain.live.replica import LiveShare
-from raytrain.optim import call_optimizer_fn, lr_ratios, set_lr
+from raytrain.optim import lr_ratios, set_lr
 from raytrain.parallel.dims import ParallelDims
 from raytrain.rng import MicroBatchSeeds
 from raytrain.worker_loop import WorkerJob, build_model, settle_heap, step_source
@@ -46,12 +45,14 @@ class LiveSettings:
     floor: int = 0  # steps the run had committed when this replica started: a quorum behind it had no peer
     timeout_s: float = 10.0
     quorum_timeout_s: float = 60.0
+    shard_rank: int = 0  # this worker's rank in its replica group
+    dp_shard: int = 1  # workers per replica group (they shard the model: zero2/zero3)
 
 
 @dataclass
 class LiveOutcome:
-    """What one replica did: its pid, the first and last step it took part in (committed or not) and the steps it
-    saw fail; steps numbered from 1, as in metrics.jsonl."""
+    """What one worker of a replica group did: its pid, the first and last step it took part in (committed or not)
+    and the steps it saw fail; steps numbered from 1, as in metrics.jsonl."""
 
     replica_id: str
     pid: int
@@ -70,45 +71,22 @@ def step_position(step: int, num_rows: int, global_batch: int, drop_last: bool) 
 
 
 class LiveWorker:
-    """A live replica's process. Built by the driver as a Ray actor; `run` trains until the run's last step and
-    returns a `LiveOutcome`. `restore` (a live checkpoint's state) is loaded before the first quorum."""
+    """One worker of a live replica group (rank `settings.shard_rank` of `settings.dp_shard`). Built by the driver
+    as a Ray actor: `address` (rank 0 serves the group's TCP store), then `build` on every rank of the group (its
+    process group, the model sharded over it, torchft's manager; `restore`, a live checkpoint's state, is loaded
+    before the first quorum), then `run`, which trains until the run's last step and returns a `LiveOutcome`."""
 
     def __init__(self, job: WorkerJob, settings: LiveSettings, log: Any, restore: dict[str, Any] | None) -> None:
-        from datetime import timedelta
+        from torch.distributed import TCPStore
 
-        from raytrain.data.materialized import IndexedData, IndexedSteps
+        from raytrain.data.materialized import IndexedData
         from raytrain.data.parquet import ParquetIndex
-        from raytrain.live.replica import LiveReplica
         from raytrain.ports import free_port
 
         assert isinstance(job.data, IndexedData | ParquetIndex), "live mode reads deterministic mode's step sources"
-        self.job, self.settings, self.log = job, settings, log
+        self.job, self.settings, self.log, self._restore = job, settings, log, restore
         spec = job.spec
-        self.model, trace = build_model(job)
-        pretrained = job.pretrained if restore is None else None
-        if trace is not None:  # as the restart path's ddp does: materialize, replaying the recorded construction
-            from raytrain.model_init import materialize
-
-            materialize(self.model, "cpu", trace, spec.loop.seed, pretrained)
-        elif pretrained is not None:
-            from raytrain.pretrained import load_into
-
-            load_into(self.model, pretrained)
         self.global_batch = spec.batch.global_batch
-        self.peak_lr = spec.lr.peak_lr(self.global_batch)
-        self.optimizer = call_optimizer_fn(job.optimizer_fn, self.model, self.peak_lr)
-        self.ratios = lr_ratios(self.optimizer, self.peak_lr)
-        self.replica = LiveReplica(
-            self.model,
-            self.optimizer,
-            lighthouse=settings.lighthouse,
-            replica_id=settings.replica_id,
-            store_port=free_port(),
-            timeout=timedelta(seconds=settings.timeout_s),
-            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-        )
-        if restore is not None:
-            self.replica.restore(restore)
         self.num_rows = job.data.num_rows
         self.total_steps = run_total_steps(
             num_rows=self.num_rows,
@@ -120,40 +98,118 @@ class LiveWorker:
             epoch=0,
             sample_in_epoch=0,
         )
-        self._rank = 0  # this replica's rank in the latest quorum
-        # the restart path's step source (the same order, the same rows per rank); its share is set every step
+        self._store: Any = None
+        if settings.shard_rank == 0:  # the group's rendezvous: its process group and torchft's manager
+            import ray
+
+            self._host = ray.util.get_node_ip_address()
+            self._store = TCPStore(self._host, free_port(""), settings.dp_shard, is_master=True, wait_for_workers=False)
+        # this worker's data rank in the latest quorum; until the first, only the first group's rank 0 logs
+        self._rank = 0 if (settings.shard_rank, settings.replica_id) == (0, "r0") else -1
+
+    def address(self) -> tuple[str, int]:
+        """The group's TCP store (rank 0 only): this node's IP and the port it listens on."""
+        assert self._store is not None, "rank 0 of a replica group serves its store"
+        return self._host, int(self._store.port)
+
+    def build(self, store: tuple[str, int]) -> tuple[int, str, int]:
+        """Join the group (a collective over its `dp_shard` workers: `store` is rank 0's `address()`), build the
+        model as the restart path builds it (`apply_parallelism`: zero2/zero3 over the group, each rank
+        materializing its shard), the optimizer, torchft's manager and the step source. Returns this worker's pid,
+        its Ray node id and the run's length in optimizer steps (the data size, epochs and max_steps give it)."""
+        from datetime import timedelta
+
+        import ray
+        import torch.distributed as dist
+
+        from raytrain.data.materialized import IndexedSteps
+        from raytrain.live.replica import LiveReplica
+        from raytrain.optim import build_optimizer
+        from raytrain.parallel.apply import apply_parallelism, step_policy
+        from raytrain.parallel.strategy import resolve_layout
+
+        job, settings, spec = self.job, self.settings, self.job.spec
+        size, rank = settings.dp_shard, settings.shard_rank
+        host, port = store
+        if size > 1:
+            client = dist.TCPStore(
+                host, port, size, is_master=False, timeout=timedelta(seconds=settings.quorum_timeout_s)
+            )
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("raytrain/group", client),
+                rank=rank,
+                world_size=size,
+                timeout=timedelta(seconds=settings.quorum_timeout_s),
+            )
         cpu = torch.device("cpu")
+        model, trace = build_model(job)
+        strategy = spec.loop.strategy if size > 1 else "ddp"  # one worker per group holds the whole model
+        parallel = spec.parallel
+        least = split_step(self.global_batch, spec.batch.micro_batch, max(1, spec.cluster.min_workers))
+        layout = resolve_layout(
+            strategy,
+            parallel.grad_accumulation,
+            model,
+            world_size=size,
+            accumulation_steps=least.accumulation_steps,  # the most a step accumulates: at min_workers
+            precision=parallel.precision,
+            device=cpu,
+            units_fn=job.units_fn,
+        )
+        if layout.reason:
+            self._note(layout.reason)
+        self.model = apply_parallelism(
+            model,
+            layout.strategy,
+            cpu,
+            size,
+            init=trace,
+            seed=spec.loop.seed,
+            pretrained=job.pretrained if self._restore is None else None,
+            precision=parallel.precision,
+            activation_checkpointing=parallel.activation_checkpointing,
+            compile_blocks=parallel.compile,
+            units_fn=job.units_fn,
+            log=self._note,
+        )
+        self.policy = step_policy(layout.strategy, size, parallel.precision, layout.grad_accumulation)
+        self.peak_lr = spec.lr.peak_lr(self.global_batch)
+        self.optimizer = build_optimizer(self.model, job.optimizer_fn, self.peak_lr, layout.strategy)
+        self.ratios = lr_ratios(self.optimizer, self.peak_lr)
+        self.replica = LiveReplica(
+            self.model,
+            self.optimizer,
+            lighthouse=settings.lighthouse,
+            replica_id=settings.replica_id,
+            store_addr=host,
+            store_port=port,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=settings.timeout_s),
+            quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+        )
+        if self._restore is not None:
+            self.replica.restore(self._restore)
+            self._restore = None
+        # the restart path's step source (the same order, the same rows per rank); its share is set every step
         source = step_source(job, self._full_plan(1), ParallelDims.of(1), 0, cpu, IdRanges(), self._note)
         assert isinstance(source, IndexedSteps | ParquetSteps), "live mode runs deterministic mode only"
         self.steps = source
         faults.arm(job.run_dir, 0, 1)  # RAYTRAIN_FAULTS: rank and world are each step's quorum's (`at_step`)
         settle_heap()  # as the restart path's start does: no full collection mid-step
-
-    def whoami(self) -> tuple[int, str, int]:
-        """This replica's process id and Ray node id (the driver records them; a kill event targets them), and the
-        run's length in optimizer steps (the data size, epochs and max_steps give it)."""
-        import ray
-
         return os.getpid(), ray.get_runtime_context().get_node_id(), self.total_steps
 
     def _note(self, line: str) -> None:
-        """A line for the run's log (the step source's data-prefetch decision), from rank 0 of the latest quorum
-        only (each replica decides once: the others' lines would repeat it)."""
+        """A line for the run's log (the step source's data-prefetch decision, the layout), from data rank 0 of
+        the latest quorum only (each worker decides alike: the others' lines would repeat it)."""
         if self._rank == 0:
             self.log.note.remote(line)
 
-    def _full_plan(self, participants: int) -> BatchPlan:
-        """The plan of a whole global batch over `participants` (the step source splits an epoch's partial last
-        step itself, as in the restart path)."""
-        return split_step(self.global_batch, self.job.spec.batch.micro_batch, participants)
-
-    def _micro_batches(self, batches: list[dict[str, torch.Tensor]], seeds: MicroBatchSeeds) -> Iterator[Any]:
-        """This replica's micro-batches of a step, each seeded just before its forward as the restart path seeds
-        it (`raytrain.rng`)."""
-        for j, batch in enumerate(batches):
-            seeds(j)
-            fault_point("forward")
-            yield batch
+    def _full_plan(self, ranks: int) -> BatchPlan:
+        """The plan of a whole global batch over `ranks` data ranks (the step source splits an epoch's partial
+        last step itself, as in the restart path)."""
+        return split_step(self.global_batch, self.job.spec.batch.micro_batch, ranks)
 
     def lr_at(self, step: int) -> float:
         """The LR of step `step`: the peak for the global batch (its rule, never the replica count) times the
@@ -170,8 +226,9 @@ class LiveWorker:
         behind `settings.floor`), `NonFiniteError` for a non-finite step with on_nonfinite="stop", and what the
         user's code raises."""
         from raytrain.live.replica import LiveReplicaLost, live_share
+        from raytrain.step import train_step
 
-        spec = self.job.spec
+        spec, size = self.job.spec, self.settings.dp_shard
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
         try:
             while True:
@@ -185,29 +242,29 @@ class LiveWorker:
                 if step >= self.total_steps:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
-                self._rank = quorum.rank
-                self.steps.set_share(self._full_plan(quorum.participants), quorum.rank)
+                ranks = quorum.participants * size  # every group's workers split the step
+                self._rank = quorum.rank * size + self.settings.shard_rank
+                self.steps.set_share(self._full_plan(ranks), self._rank)
                 data = self.steps.next_step(epoch, sample_in_epoch)
                 assert data is not None, f"step {step + 1} is within the run: its epoch has it"
-                batch, micro_cap = data.plan.global_batch, spec.batch.micro_batch
-                share = live_share(step, batch, micro_cap, quorum.participants, quorum.rank)
+                share = live_share(step, data.plan.global_batch, spec.batch.micro_batch, ranks, self._rank)
                 assert share.plan == data.plan, (share.plan, data.plan)  # the source split it as the share does
-                micro = self._micro_batches(
-                    data.micro_batches,
-                    MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None),
-                )
-                faults.at_step(step + 1, quorum.rank, quorum.participants)
+                faults.at_step(step + 1, self._rank, ranks)
                 lr = self.lr_at(step)
                 set_lr(self.optimizer, self.ratios, lr)
                 started = time.perf_counter()
-                gather = self._gathered_ids(share, data.ids)
-                result = self.replica.train_step(
-                    share,
-                    micro,
+                replication = self.replica.replication(self._gathered_ids(share, data.ids))
+                result = train_step(
+                    self.model,
+                    self.optimizer,
                     self.job.loss_fn,
-                    fault=fault_point,
+                    data.micro_batches,
+                    replicas=ranks,
+                    step_total=share.plan.global_batch,
                     max_grad_norm=spec.loop.max_grad_norm,
-                    ids=gather,
+                    policy=self.policy,
+                    seeds=MicroBatchSeeds(spec.loop.seed, step, share.offset, share.micro_batches, 0, None),
+                    replication=replication,
                 )
                 outcome.first_step = step + 1 if outcome.first_step is None else outcome.first_step
                 outcome.last_step = step + 1
@@ -215,27 +272,32 @@ class LiveWorker:
                     outcome.failed_steps.append(step + 1)
                     continue
                 outcome.committed += 1
-                if not result.finite:
+                loss = result.loss_sum / share.plan.global_batch
+                if not result.stepped:
                     if spec.loop.on_nonfinite == "stop":
-                        raise NonFiniteError.at(step + 1, result.loss, result.grad_norm)
+                        raise NonFiniteError.at(step + 1, loss, result.grad_norm)
                     outcome.skipped_steps += 1
                 ids = None
                 if spec.loop.audit_samples:
-                    ids = data.ids if gather is None else result.ids
-                self._record(step, epoch, sample_in_epoch, share, ids, lr, result, started, quorum.rank)
+                    ids = data.ids if replication.ids is None else replication.ids
+                self._record(step, epoch, sample_in_epoch, share, ids, lr, loss, result, started, quorum.rank)
         finally:
             self.replica.shutdown()
             self.steps.close()
         return outcome
 
     def _gathered_ids(self, share: LiveShare, mine: np.ndarray) -> torch.Tensor | None:
-        """For the audit when each replica holds only its own slice's ids (the Parquet source): the step's ids
-        with this slice filled in and zeros elsewhere, summed over the participants in the step's all-reduce.
-        None when no audit is asked for or the source knows every id of the step (in memory)."""
+        """For the audit when each worker holds only its own slice's ids (the Parquet source): the step's ids
+        with this slice filled in and zeros elsewhere, summed over its group here and over the groups in the
+        step's all-reduce. None when no audit is asked for or the source knows every id of the step (in memory)."""
         if not self.job.spec.loop.audit_samples or not isinstance(self.steps, ParquetSteps):
             return None  # decided alike on every replica: all take part in the all-reduce, or none
         ids = torch.zeros(share.plan.global_batch, dtype=torch.int64)
         ids[share.offset : share.offset + share.count] = torch.from_numpy(np.asarray(mine, dtype=np.int64))
+        if self.settings.dp_shard > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(ids)
         return ids
 
     def _record(
@@ -246,42 +308,46 @@ class LiveWorker:
         share: LiveShare,
         ids: Any,
         lr: float,
+        loss: float,
         result: Any,
         started: float,
-        rank: int,
+        group_rank: int,
     ) -> None:
-        """A committed step's metrics line (and sample ids), sent by every replica that committed it (the log
-        writes the first of each step, in order: a replica group may commit a step its peers did not); every
-        `every_steps` steps rank 0 of the quorum also sends a checkpoint. Fire and forget: the state is copied
-        when the call is made."""
+        """A committed step's metrics line (and sample ids), sent by rank 0 of every group that committed it (the
+        log writes the first of each step, in order: a replica group may commit a step its peers did not); every
+        `every_steps` steps the group of quorum rank 0 also sends a checkpoint (gathered over the group when it
+        shards the model). Fire and forget: the state is copied when the call is made."""
         spec = self.job.spec
         done = step + 1
         per_epoch = steps_per_epoch(self.num_rows, self.global_batch, spec.batch.drop_last)
         epoch_samples = self.num_rows if not spec.batch.drop_last else per_epoch * self.global_batch
-        metrics: dict[str, Any] = {
-            "step": done,
-            "epoch": epoch,
-            "world_size": share.participants,
-            "accumulation_steps": share.plan.accumulation_steps,
-            "per_rank_samples": list(share.plan.per_rank_samples),
-            "global_batch_size": share.plan.global_batch,
-            "samples_seen": epoch * epoch_samples + sample_in_epoch + share.plan.global_batch,
-            "lr": lr,
-            "loss": result.loss,
-            "grad_norm": result.grad_norm,
-            "step_time_s": time.perf_counter() - started,
-            "time": time.time(),
-        }
-        if not result.finite:
-            metrics["skipped"] = True  # on_nonfinite="skip": this step's update was dropped
-        self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
-        if rank == 0 and (done % spec.checkpoint.every_steps == 0 or done == self.total_steps):
+        if self.settings.shard_rank == 0:
+            metrics: dict[str, Any] = {
+                "step": done,
+                "epoch": epoch,
+                "world_size": share.participants,
+                "accumulation_steps": share.plan.accumulation_steps,
+                "per_rank_samples": list(share.plan.per_rank_samples),
+                "global_batch_size": share.plan.global_batch,
+                "samples_seen": epoch * epoch_samples + sample_in_epoch + share.plan.global_batch,
+                "lr": lr,
+                "loss": loss,
+                "grad_norm": result.grad_norm,
+                "step_time_s": time.perf_counter() - started,
+                "time": time.time(),
+            }
+            if not result.stepped:
+                metrics["skipped"] = True  # on_nonfinite="skip": this step's update was dropped
+            self.log.step.remote(self.settings.group, metrics, None if ids is None else [int(i) for i in ids])
+        if group_rank == 0 and (done % spec.checkpoint.every_steps == 0 or done == self.total_steps):
             fault_point("checkpoint")
-            self.log.checkpoint.remote(
-                self.settings.group,
-                done,
-                epoch,
-                sample_in_epoch + share.plan.global_batch,
-                pack_state(self.replica.state_dict()),
-            )
+            state = self.replica.full_state()  # a collective over the group
+            if state is not None:
+                self.log.checkpoint.remote(
+                    self.settings.group,
+                    done,
+                    epoch,
+                    sample_in_epoch + share.plan.global_batch,
+                    pack_state(state),
+                )
             fault_point("report")
