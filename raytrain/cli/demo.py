@@ -562,6 +562,7 @@ def live_summary(metrics: list[dict[str, Any]], applied: list[AppliedEvent], res
         "steps_retrained": len(failed) + rolled_back,
         "failed_steps": failed,
         "lost": result.lost,
+        "left": result.left,
         "finished": [
             {"replica": o.replica_id, "pid": o.pid, "first_step": o.first_step, "committed": o.committed}
             for o in sorted(result.outcomes, key=lambda o: o.replica_id)

@@ -446,8 +446,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if live is not None:
         finished = ", ".join(f"{r['replica']} (pid {r['pid']}, from step {r['first_step']})" for r in live["finished"])
         lines.append(
-            f"live            {len(live['lost'])} replica(s) lost, {live['steps_retrained']} step(s) trained again, "
-            f"{live['restarts']} fallback restart(s); ran to the end: {finished}"
+            f"live            {len(live['lost'])} replica(s) lost, {len(live.get('left', []))} left ahead of a drain, "
+            f"{live['steps_retrained']} step(s) trained again, {live['restarts']} fallback restart(s); ran to the "
+            f"end: {finished}"
         )
     for note in summary["skipped_events"]:
         lines.append(f"skipped         {note}")

@@ -39,6 +39,9 @@ HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse drops a replica silent this long: 
 JOIN_TIMEOUT_MS = 500  # a quorum waits this long for replicas that are up but not yet asking
 START_TIMEOUT_S = 60.0  # min_workers replicas must be placed and built within this (Ray Train's default)
 REPLACE_PATIENCE_S = 30.0  # below min_workers, wait this long for a replacement before falling back
+DRAIN_POLL_S = 1.0  # how often the driver asks the GCS for nodes being drained
+DRAIN_MARGIN_S = 3.0  # a drained group without a successor leaves this long (or 3 steps) before the deadline
+DRAIN_NO_DEADLINE_S = 30.0  # a drain without a deadline: leave within this long when no successor is ready
 
 
 @dataclass
@@ -54,6 +57,10 @@ class _Replica:
     built: dict[int, tuple[int, str]] = field(default_factory=dict)  # rank -> (pid, node) once built
     running: dict[Any, int] = field(default_factory=dict)  # each rank's `run` ref not yet returned -> its rank
     launched: bool = False
+    leave_by: float | None = None  # a node of its is being drained: leave by this time (monotonic) at the latest
+    successor: str | None = None  # the group started to take over from this one (a drain)
+    leaving: bool = False  # asked to leave at its next step boundary
+    placement: Any = None  # the placement group keeping a group of several workers on one node
 
     @property
     def pids(self) -> list[int]:
@@ -91,6 +98,7 @@ class LiveResult:
 
     outcomes: list[LiveOutcome]
     lost: list[dict[str, Any]] = field(default_factory=list)
+    left: list[dict[str, Any]] = field(default_factory=list)  # groups that left ahead of a drain: name, pids, step
     fallbacks: list[dict[str, Any]] = field(default_factory=list)  # reason, at_step, restored_step
     checkpoint: str | None = None
 
@@ -109,7 +117,7 @@ class LiveRun:
         cluster = job.spec.cluster
         self.dp_shard = job.spec.parallel.dp_shard  # workers per replica group
         self.min, self.max = cluster.min_workers // self.dp_shard, cluster.max_workers // self.dp_shard  # groups
-        self.replicas: dict[int, _Replica] = {}
+        self.replicas: dict[str, _Replica] = {}  # by name: a drained group and its successor run side by side
         self.result = LiveResult([])
         self._lighthouse: Any = None
         self._log: Any = None
@@ -120,11 +128,12 @@ class LiveRun:
 
     # -- the actors ---------------------------------------------------------------------------------------------
 
-    def _start_replica(self, index: int, restore: Any, floor: int) -> None:
+    def _start_replica(self, index: int, restore: Any, floor: int) -> _Replica:
         """Start replica group `index`'s next actors, one per rank: from `restore` (a checkpoint's state) at a
         group's start, else healing from a peer; `floor` is the steps the run has committed (a quorum behind it had
         no peer). Rank 0 serves the group's store; every rank's `build` waits for its address (an object ref)."""
         import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from raytrain.trainer import worker_env
 
@@ -133,6 +142,11 @@ class LiveRun:
         generation = self._generations.get(index, 0)
         self._generations[index] = generation + 1
         replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
+        placement = None
+        if self.dp_shard > 1:  # the group's collectives run in every layer: its workers share a node
+            from ray.util.placement_group import placement_group
+
+            placement = placement_group([{"CPU": cpus, **resources}] * self.dp_shard, strategy="STRICT_PACK")
         actors = []
         for rank in range(self.dp_shard):
             settings = LiveSettings(
@@ -149,19 +163,28 @@ class LiveRun:
                     num_cpus=cpus,
                     resources=resources,
                     max_restarts=0,
+                    max_concurrency=2,  # `leave` arrives while `run` runs
                     runtime_env={"env_vars": {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}},
+                    scheduling_strategy=None
+                    if placement is None
+                    else PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
                 )
                 .remote(self.job, settings, self._log, restore)
             )
         store = actors[0].address.remote()  # type: ignore[attr-defined]  # a Ray actor handle
         ready = {actor.build.remote(store): rank for rank, actor in enumerate(actors)}  # type: ignore[attr-defined]
-        self.replicas[index] = _Replica(index, generation, actors, ready, time.monotonic())
+        replica = _Replica(index, generation, actors, ready, time.monotonic(), placement=placement)
+        self.replicas[replica.name] = replica
+        return replica
 
     def _stop(self, replica: _Replica) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         for actor in replica.actors:
             ray.kill(actor, no_restart=True)
+        if replica.placement is not None:
+            remove_placement_group(replica.placement)
 
     def _stop_all(self) -> None:
         for replica in self.replicas.values():
@@ -330,8 +353,12 @@ class LiveRun:
             self._run(replica)
         finished = False
         below_since: float | None = None
+        drains_checked = 0.0
         while True:
             tick()
+            if time.monotonic() - drains_checked > DRAIN_POLL_S:
+                drains_checked = time.monotonic()
+                self._watch_drains(finished)
             waiting = self._ready_refs()
             running = {ref: r for r in self.replicas.values() for ref in r.running}
             if not running and (finished or not waiting):
@@ -341,20 +368,25 @@ class LiveRun:
                 for replica in self._settle(done):
                     if finished:
                         self._stop(replica)
-                        del self.replicas[replica.index]
+                        del self.replicas[replica.name]
                     else:
                         self._launch(replica)
                 done = []
             for ref in done:
                 replica = running[ref]
-                if self.replicas.get(replica.index) is not replica:
+                if self.replicas.get(replica.name) is not replica:
                     continue  # lost with another of its ranks
                 try:
-                    self.result.outcomes.append(ray.get(ref))
-                    finished = True
+                    outcome = ray.get(ref)
                     del replica.running[ref]
+                    if outcome.left:
+                        if not replica.running:
+                            self._left(replica, outcome)
+                        continue
+                    self.result.outcomes.append(outcome)
+                    finished = True
                     if not replica.running:
-                        del self.replicas[replica.index]
+                        del self.replicas[replica.name]
                 except RayActorError:
                     self._lost(replica, replace=not finished, why="its process died")
                 except RayTaskError as err:
@@ -394,6 +426,74 @@ class LiveRun:
         self._log.membership.remote({"kind": "fallback", "alive": alive, "reason": reason})
         self._stop_all()
         return reason
+
+    def _watch_drains(self, finished: bool) -> None:
+        """Drains (a spot notice, `ray_hooks.drain_node`), make before break: a running group with a worker on a
+        node being drained gets a successor at once (placed elsewhere: a draining node takes no new work), and is
+        asked to leave at its next step boundary as soon as the successor trains beside it, or when the drain's
+        deadline is `drain_margin_s()` away (no room for a successor; it then waits for room). The others never
+        pause for a failed step."""
+        import ray
+        from ray._private.state import state as ray_state
+
+        now = time.monotonic()
+        try:
+            draining = {node: deadline_ms for node, deadline_ms in ray_state.get_draining_nodes().items()}
+        except Exception:  # an older GCS: no drains known
+            draining = {}
+        for replica in list(self.replicas.values()):
+            nodes = set(draining) & set(replica.nodes)
+            if replica.launched and nodes and replica.leave_by is None:
+                deadlines = [draining[n] / 1000 - time.time() for n in nodes if draining[n]]
+                left_s = min(deadlines) if deadlines else DRAIN_NO_DEADLINE_S
+                replica.leave_by = now + left_s - self._drain_margin_s()
+                if not finished:
+                    step = ray.get(self._log.last_step.remote())
+                    replica.successor = self._start_replica(replica.index, None, floor=step).name
+                self._note(
+                    f"{replica.who()}: node {', '.join(sorted(n[:8] for n in nodes))} is being drained "
+                    f"(deadline in {left_s:.1f} s); "
+                    + (f"successor {replica.successor} starting; " if replica.successor else "")
+                    + "it leaves once the successor trains, or "
+                    f"{max(0.0, replica.leave_by - now):.1f} s from now",
+                    {"kind": "draining", "replica": replica.name, "pids": replica.pids, "nodes": sorted(nodes)},
+                )
+            if replica.leave_by is None or replica.leaving:
+                continue
+            successor = self.replicas.get(replica.successor or "")
+            if (successor is not None and successor.launched) or now >= replica.leave_by:
+                replica.leaving = True
+                for actor in replica.actors:
+                    actor.leave.remote()
+
+    def _drain_margin_s(self) -> float:
+        """How long before a drain's deadline a group leaves when no successor is ready: DRAIN_MARGIN_S, or three
+        steps when the steps are slower (measured from the log's last committed steps)."""
+        import ray
+
+        pace = ray.get(self._log.step_interval_s.remote())
+        return max(DRAIN_MARGIN_S, 3 * pace) if pace else DRAIN_MARGIN_S
+
+    def _left(self, replica: _Replica, outcome: LiveOutcome) -> None:
+        """A group left at a step boundary (a drain): nothing to redo, nothing counted against `max_failures`; its
+        successor (started when the drain was noticed) goes on."""
+        del self.replicas[replica.name]
+        self._stop(replica)
+        step = outcome.last_step or 0
+        self.result.left.append({"replica": replica.name, "pids": replica.pids, "step": step, "time": time.time()})
+        others = sum(1 for r in self.replicas.values() if r.launched)
+        successor = self.replicas.get(replica.successor or "")
+        self._note(
+            f"{replica.who()} left after step {step} ahead of its node's drain; {others} go on with the same "
+            "global batch, no step trained again"
+            + (
+                ""
+                if successor is None
+                else f"; its successor {successor.name} "
+                + ("trains" if successor.launched else "waits for room and joins when placed")
+            ),
+            {"kind": "left", "replica": replica.name, "pids": replica.pids, "step": step},
+        )
 
     def _ready_refs(self) -> list[Any]:
         """The `build` refs not yet returned, of every group still starting."""
@@ -442,8 +542,9 @@ class LiveRun:
         from a peer) when `replace` and another replica is still training."""
         import ray
 
-        del self.replicas[replica.index]
+        del self.replicas[replica.name]
         self._stop(replica)  # the group's other ranks cannot go on without it
+        replace = replace and replica.successor not in self.replicas  # a drained group's successor is started
         step = ray.get(self._log.last_step.remote())
         self.result.lost.append(
             {"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time(), "why": why}

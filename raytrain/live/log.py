@@ -125,6 +125,7 @@ class LiveLog:
         self.data_order = data_order or {}
         self.log = Rank0Log(0, run_dir, audit=audit, log_every=log_every)
         self.last = 0
+        self.times: list[float] = []  # when the latest committed steps were recorded (at most ten)
         self.group = 0
         self.pending: dict[int, tuple[dict[str, Any], list[int] | None]] = {}  # steps waiting for an earlier one
         self.plan: dict[str, Any] | None = None
@@ -165,6 +166,7 @@ class LiveLog:
 
     def _write(self, metrics: dict[str, Any], ids: list[int] | None) -> None:
         self.last = metrics["step"]
+        self.times = [*self.times[-9:], metrics["time"]]
         plan = {
             "world_size": metrics["world_size"],
             "accumulation_steps": metrics["accumulation_steps"],
@@ -201,6 +203,11 @@ class LiveLog:
         os.rename(partial, final)
         for _, old in live_checkpoints(self.run_dir)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    def step_interval_s(self) -> float | None:
+        """The median interval between the last ten committed steps (None before two): the run's pace."""
+        gaps = sorted(b - a for a, b in zip(self.times, self.times[1:], strict=False))
+        return gaps[len(gaps) // 2] if gaps else None
 
     def last_step(self) -> int:
         """The newest committed step written."""

@@ -61,6 +61,7 @@ class LiveOutcome:
     committed: int = 0
     skipped_steps: int = 0  # committed without an update: a non-finite loss or gradient (on_nonfinite="skip")
     failed_steps: list[int] = field(default_factory=list)
+    left: bool = False  # it left at a step boundary, asked by the driver (its node is being drained)
 
 
 def step_position(step: int, num_rows: int, global_batch: int, drop_last: bool) -> tuple[int, int]:
@@ -104,6 +105,7 @@ class LiveWorker:
 
             self._host = ray.util.get_node_ip_address()
             self._store = TCPStore(self._host, free_port(""), settings.dp_shard, is_master=True, wait_for_workers=False)
+        self._leaving = False  # set by `leave` (another thread of this actor): stop at the next step boundary
         # this worker's data rank in the latest quorum; until the first, only the first group's rank 0 logs
         self._rank = 0 if (settings.shard_rank, settings.replica_id) == (0, "r0") else -1
 
@@ -200,6 +202,22 @@ class LiveWorker:
         settle_heap()  # as the restart path's start does: no full collection mid-step
         return os.getpid(), ray.get_runtime_context().get_node_id(), self.total_steps
 
+    def leave(self) -> None:
+        """Ask this worker to stop at the next step boundary, the step it is in committed or redone by the others
+        (its node is being drained). Called by the driver while `run` runs: the actor runs two calls at once."""
+        self._leaving = True
+
+    def _leave_now(self) -> bool:
+        """Whether the group leaves before its next quorum: any of its ranks was asked (agreed over the group, so
+        every rank stops at the same boundary)."""
+        if self.settings.dp_shard == 1:
+            return self._leaving
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(self._leaving)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _note(self, line: str) -> None:
         """A line for the run's log (the step source's data-prefetch decision, the layout), from data rank 0 of
         the latest quorum only (each worker decides alike: the others' lines would repeat it)."""
@@ -232,6 +250,9 @@ class LiveWorker:
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
         try:
             while True:
+                if self._leave_now():
+                    outcome.left = True
+                    break
                 quorum = self.replica.start_step()
                 step = quorum.step
                 if step < self.settings.floor:
