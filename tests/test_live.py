@@ -48,9 +48,14 @@ def _loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (model(batch["x"]) - batch["y"]) ** 2
 
 
-def _die_before_the_all_reduce(phase: str) -> None:
-    if phase == "optimizer":
+class _DieBeforeTheAllReduce:
+    """A replication that kills its process where the step's gradient all-reduce would start."""
+
+    def reduce(self, gradients: list[torch.Tensor], loss_sum: float) -> float:
         os._exit(9)
+
+    def commit(self) -> bool:
+        raise AssertionError("never reached")
 
 
 def _weights(model: nn.Module) -> list[float]:
@@ -71,11 +76,17 @@ def _reference() -> list[float]:
 def _replica(
     index: int, lighthouse: str, log_path: str, kill: bool, started: Any, replacement_ready: Any, first: bool
 ) -> None:
+    from torch.distributed import TCPStore
+
     from raytrain.live.replica import LiveReplica, live_share
+    from raytrain.step import train_step
 
     order, columns = _data()
     model, optimizer = _model()
-    replica = LiveReplica(model, optimizer, lighthouse=lighthouse, replica_id=f"r{index}", store_port=free_port())
+    store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    replica = LiveReplica(
+        model, optimizer, lighthouse=lighthouse, replica_id=f"r{index}", store_addr="127.0.0.1", store_port=store.port
+    )
     if first:
         started.wait(timeout=120)  # all three originals are up before the first quorum
     else:
@@ -91,10 +102,11 @@ def _replica(
             begin = share.step * B + share.offset
             rows = order[begin : begin + share.count]  # global positions of epoch 0
             cuts = np.cumsum((0, *share.micro_batches))
-            micro = ({k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts))
+            micro = [{k: v[rows[a:b]] for k, v in columns.items()} for a, b in itertools.pairwise(cuts)]
             die = kill and share.step >= KILL_FROM
-            committed = replica.train_step(
-                share, micro, _loss, fault=_die_before_the_all_reduce if die else lambda phase: None
+            replication = _DieBeforeTheAllReduce() if die else replica.replication()
+            committed = train_step(
+                model, optimizer, _loss, micro, share.participants, B, replication=replication
             ).committed
             record = {"pid": os.getpid(), "step": share.step, "participants": share.participants}
             record |= {"rank": share.rank, "ids": [int(i) for i in columns["id"][rows]], "committed": committed}

@@ -4,9 +4,11 @@ fake-node cluster per run), real torchft replica groups and lighthouse, real SIG
 Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
 every step trains exactly the global batch; the audit is clean; the loss equals, step by step, the fixed-size run of
 the *restart* path (`fixed_size_losses`): live replicas read the same step source (the demo's Parquet files), so the
-mode of recovery does not change the training. A kill of the only replica (from inside it, by `raytrain.faults`):
-live mode cannot go on, falls back to a restart from its newest live checkpoint (one line says why), and the curve
-is still the fixed-size one.
+mode of recovery does not change the training. Sharded replica groups (HSDP: `--dp-shard 2`, zero3 in each group of
+two workers on one node) through a kill, a drain and a node added: the same curve, no restart, the groups not
+touched keep their processes, the drained group leaves at a step boundary. A kill of the only replica (from inside
+it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest live checkpoint (one line
+says why), and the curve is still the fixed-size one.
 """
 
 from __future__ import annotations
@@ -52,6 +54,40 @@ def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
     assert live["steps_retrained"] <= 2  # at most the step each kill interrupted
     log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
     assert log.count("lost after step") == 2 and "no restart" in log
+
+
+def test_sharded_replica_groups_go_on_through_a_kill_a_drain_and_an_added_node(
+    tmp_path: Path, fixed_size_losses: list[float]
+) -> None:
+    steps = 60
+    summary = demo(
+        tmp_path, "hsdp", "--recovery", "live", "--steps", str(steps), "--checkpoint-every", "10", *PACED,
+        "--strategy", "zero3", "--dp-shard", "2", "--nodes", "3", "--slots-per-node", "2", "--workers", "6",
+        "--events", "kill@10,drain@25,add@30",
+    )  # fmt: skip
+    check_invariants(summary, steps)
+    assert_same_curve(summary, fixed_size_losses)
+    live = summary["live"]
+    assert summary["restarts"] == 0 and live["restarts"] == 0, summary["stderr"][-3000:]
+    assert [r["replica"] for r in live["lost"]] == ["r2"]  # the kill takes the highest group: its two workers
+    (left,) = live["left"]  # the drained node's group left at a step boundary...
+    assert len(left["pids"]) == 2
+    assert live["steps_retrained"] <= 1  # ...so only the killed step was trained again
+    started = {
+        r["replica"]: r["pids"]
+        for r in read_jsonl(str(Path(summary["run_dir"]) / "live.jsonl"))
+        if r["kind"] == "started"
+    }
+    finished: dict[str, list[int]] = {}
+    for r in live["finished"]:
+        finished.setdefault(r["replica"], []).append(r["pid"])
+    assert len(finished) == 3 and all(len(pids) == 2 for pids in finished.values())
+    untouched = {"r0", "r1"} - {left["replica"]}
+    assert untouched and all(sorted(finished[name]) == sorted(started[name]) for name in untouched)  # same processes
+    layout = read_jsonl(str(Path(summary["run_dir"]) / "events.jsonl"))[0]["layout"]
+    assert layout == {"dp": 6, "dp_replicate": 3, "dp_shard": 2, "tp": 1, "pp": 1}
+    log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
+    assert "is being drained" in log and "ahead of its node's drain" in log and "FSDP units" in log
 
 
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(

@@ -35,7 +35,6 @@ def test_the_participants_split_the_step_contiguously_and_exactly(participants: 
     assert [s.offset for s in shares] == list(np.cumsum([0] + [s.count for s in shares[:-1]]))
     for share in shares:
         assert sum(share.micro_batches) == share.count and max(share.micro_batches) <= 16
-        assert share.loss_scale == participants / 96  # x the mean over P the gradient is the mean over B
     with pytest.raises(ValueError, match=r"rank must be in \[0, participants=2\), got 2"):
         live_share(0, 96, 16, 2, 2)
 
@@ -46,7 +45,6 @@ def test_an_epochs_last_step_with_fewer_samples_than_participants_is_split_as_th
     shares = [live_share(10, 1001 % 100, 16, 3, rank) for rank in range(3)]
     assert [s.count for s in shares] == [1, 0, 0] and [s.offset for s in shares] == [0, 1, 1]
     assert [s.micro_batches for s in shares] == [(1,), (0,), (0,)]
-    assert all(s.loss_scale == 3 / 1 for s in shares)
 
 
 @pytest.mark.parametrize("drop_last", [True, False])
@@ -77,15 +75,32 @@ def _spec(**changes: object) -> TrainSpec:
     return TrainSpec(**parts)  # type: ignore[arg-type]
 
 
-def test_live_mode_takes_data_parallel_fp32_deterministic_runs_only() -> None:
+def test_live_mode_takes_data_parallel_deterministic_runs_in_whole_replica_groups_only() -> None:
     _spec()  # ddp (the default), fp32, deterministic: accepted
     _spec(loop=LoopConfig(strategy="auto"))
+    _spec(parallel=ParallelConfig(precision="bf16"))
+    sharded = ClusterConfig(min_workers=2, max_workers=6, recovery="live")
+    _spec(loop=LoopConfig(strategy="zero3"), parallel=ParallelConfig(dp_shard=2), cluster=sharded)
+    _spec(loop=LoopConfig(strategy="zero2"), parallel=ParallelConfig(dp_shard=2, precision="bf16"), cluster=sharded)
+    with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 sizes live recovery's replica groups: it needs"):
+        _spec(parallel=ParallelConfig(dp_shard=2), cluster=ClusterConfig(min_workers=2, max_workers=2))
+    with pytest.raises(ConfigError, match=r"dp_shard must be an integer >= 1, got 0"):
+        ParallelConfig(dp_shard=0)
     with pytest.raises(ConfigError, match=r"recovery must be one of restart, live, got 'lively'"):
         ClusterConfig(recovery="lively")
     cases = {
         "loop.strategy must be 'ddp' or 'auto'": {"loop": LoopConfig(strategy="zero2")},
         "loop.deterministic must be True": {"loop": LoopConfig(deterministic=False, id_column="id")},
-        "parallel.precision must be 'fp32', got 'bf16'": {"parallel": ParallelConfig(precision="bf16")},
+        "parallel.precision must be 'fp32' or 'bf16', got 'fp16'": {"parallel": ParallelConfig(precision="fp16")},
+        "loop.strategy must be 'zero2' or 'zero3' with parallel.dp_shard=2 (the group shards the model), got 'ddp'": {
+            "parallel": ParallelConfig(dp_shard=2),
+            "cluster": ClusterConfig(min_workers=2, max_workers=4, recovery="live"),
+        },
+        "cluster.max_workers=5 must be a multiple of parallel.dp_shard=2": {
+            "loop": LoopConfig(strategy="zero3"),
+            "parallel": ParallelConfig(dp_shard=2),
+            "cluster": ClusterConfig(min_workers=2, max_workers=5, recovery="live"),
+        },
         "parallel tp and pp must be 1, got tp=2": {
             "parallel": ParallelConfig(tp=2),
             "cluster": ClusterConfig(min_workers=2, max_workers=2, recovery="live"),
@@ -102,8 +117,15 @@ def test_live_mode_takes_data_parallel_fp32_deterministic_runs_only() -> None:
 
 def test_demo_refuses_live_with_what_live_mode_does_not_run() -> None:
     DemoOptions(recovery="live", events="kill@5")
-    with pytest.raises(ConfigError, match=r"--recovery live cannot run with --strategy 'zero1' \(live mode runs ddp\)"):
+    DemoOptions(recovery="live", strategy="zero3", dp_shard=2, slots_per_node=2, min_workers=2, max_workers=6)
+    with pytest.raises(ConfigError, match=r"--strategy 'zero1' \(live mode runs ddp with --dp-shard 1\)"):
         DemoOptions(recovery="live", strategy="zero1")
+    with pytest.raises(ConfigError, match=r"--strategy 'ddp' \(live mode runs zero2 or zero3 with --dp-shard 2\)"):
+        DemoOptions(recovery="live", dp_shard=2, min_workers=2, max_workers=4)
+    with pytest.raises(ConfigError, match=r"--workers min 1 \(a multiple of --dp-shard 2: whole groups\)"):
+        DemoOptions(recovery="live", strategy="zero3", dp_shard=2, min_workers=1, max_workers=4)
+    with pytest.raises(ConfigError, match=r"--dp-shard 2 sizes live mode's replica groups: add --recovery live"):
+        DemoOptions(dp_shard=2, strategy="zero3", min_workers=2, max_workers=4)
     with pytest.raises(ConfigError, match=r"--tp 2 \(live mode runs 1\)"):
         DemoOptions(recovery="live", tp=2, slots_per_node=2, min_workers=2, max_workers=2)
 
@@ -206,12 +228,15 @@ def test_resuming_a_live_checkpoint_with_settings_that_move_the_data_position_is
 
 
 def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untouched() -> None:
-    """`LiveReplica.train_step` on one replica (a real torchft Manager and lighthouse, P = 1): an Inf gradient
-    with a finite loss steps nothing; a frozen parameter gets no gradient and no AdamW update."""
+    """The restart path's step with live mode's replication on one replica (a real torchft Manager and
+    lighthouse, P = 1): an Inf gradient with a finite loss steps nothing; a frozen parameter gets no gradient and
+    no AdamW update."""
+    from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
     from raytrain.live.replica import LiveReplica
     from raytrain.ports import free_port
+    from raytrain.step import train_step
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     try:
@@ -220,17 +245,23 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
         model[0].weight.requires_grad_(False)
         frozen = model[0].weight.detach().clone()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+        store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
         replica = LiveReplica(
-            model, optimizer, lighthouse=lighthouse.address(), replica_id="u0", store_port=free_port()
+            model,
+            optimizer,
+            lighthouse=lighthouse.address(),
+            replica_id="u0",
+            store_addr="127.0.0.1",
+            store_port=store.port,
         )
         batch = {"x": torch.ones(4, 3), "y": torch.zeros(4)}
 
         def loss(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
             return (m(b["x"]) - b["y"]) ** 2
 
-        quorum = replica.start_step()
-        step = replica.train_step(live_share(quorum.step, 4, 4, 1, 0), iter([batch]), loss)
-        assert step.committed and step.finite and torch.equal(model[0].weight, frozen)
+        replica.start_step()
+        step = train_step(model, optimizer, loss, [batch], 1, 4, replication=replica.replication())
+        assert step.committed and step.stepped and torch.equal(model[0].weight, frozen)
         assert model[0].weight.grad is None
         before = [p.detach().clone() for p in model.parameters()]
 
@@ -246,9 +277,9 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
         def inf_gradient(m: torch.nn.Module, b: dict[str, torch.Tensor]) -> torch.Tensor:
             return (InfiniteBackward.apply(m(b["x"])) - b["y"]) ** 2  # a finite loss, an infinite gradient
 
-        quorum = replica.start_step()
-        step = replica.train_step(live_share(quorum.step, 4, 4, 1, 0), iter([batch]), inf_gradient)
-        assert step.committed and np.isfinite(step.loss) and not step.finite
+        replica.start_step()
+        step = train_step(model, optimizer, inf_gradient, [batch], 1, 4, replication=replica.replication())
+        assert step.committed and np.isfinite(step.loss_sum) and not step.stepped
         assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
         replica.shutdown()
     finally:
