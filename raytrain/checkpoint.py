@@ -20,12 +20,14 @@ Nothing is loaded with arbitrary unpickling: DCP through `SafeReader` /
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -256,7 +258,8 @@ def load_checkpoint(
     if not os.path.exists(zero1_file):
         sharded["optim"] = get_optimizer_state_dict(model, optimizer, options=options)
         renamed = _read_under_aliases(sharded["optim"], stored, aliases or {})
-    dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())
+    with one_process_quietly():
+        dcp.load(sharded, storage_reader=reader, planner=SafeLoadPlanner())
     _back_to_own_names(sharded.get("optim"), renamed)
     set_model_state_dict(model, sharded["model"])
     if "optim" in sharded and not zero1:
@@ -272,6 +275,15 @@ def load_checkpoint(
     with open(os.path.join(directory, STATE_FILE)) as f:
         state = TrainState.from_json(json.load(f))
     return state, load_consumed(directory)
+
+
+@contextlib.contextmanager
+def one_process_quietly() -> Iterator[None]:
+    """DCP in one process without a process group (live mode's log writing a checkpoint, a replica group of one
+    loading it) is meant: without the warning DCP prints about it on every call."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _read_under_aliases(

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 STATE_FILE = "raytrain_state.json"
+LIVE_CHECKPOINT_PREFIX = "live-checkpoint-"  # live mode's checkpoints: live-checkpoint-<step>/ in the run directory
 MANIFEST_FILE = "manifest.json"
 METADATA_FILE = ".metadata"
 
@@ -231,3 +232,28 @@ def read_metadata(path: str) -> Any:
     """The DCP `Metadata` in the file at `path`, read safely (`_MetadataUnpickler`)."""
     with open(path, "rb") as f:
         return _parse_metadata(f.read(), path)
+
+
+def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """(step, directory) of the run's complete live checkpoints, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        if name.startswith(LIVE_CHECKPOINT_PREFIX) and name[len(LIVE_CHECKPOINT_PREFIX) :].isdigit():
+            found.append((int(name[len(LIVE_CHECKPOINT_PREFIX) :]), os.path.join(run_dir, name)))
+    return sorted(found)
+
+
+def newest_checkpoint(run_dir: str, live_too: bool, fs: Any = None) -> tuple[int, str] | None:
+    """(step, path) of the newest checkpoint a run in `run_dir` resumes from, of either recovery mode (one format:
+    `raytrain.checkpoint`): the restart path's latest committed one (Ray Train's record) or, with `live_too` (a
+    local run directory), the newest whole live one, whichever is at the later step. None when there is none."""
+    found = []
+    committed = latest_committed(run_dir, fs)
+    if committed is not None:
+        found.append(committed)
+    if live_too:
+        whole = [(step, path) for step, path in live_checkpoints(run_dir) if verify(path) is None]
+        found.extend(whole[-1:])
+    return max(found) if found else None

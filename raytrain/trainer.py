@@ -15,7 +15,7 @@ import os
 import posixpath
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -125,23 +125,27 @@ def describe_latest(storage: RunStorage) -> str:
     return f"the latest checkpoint is step {found[0]}, {found[1]}"
 
 
-def check_recovery_mode(storage: RunStorage, run_dir: str, recovery: str) -> None:
-    """`ConfigError` before anything starts when the run directory holds checkpoints of the other recovery mode
-    only: restart-path checkpoints (`checkpoint_*`, Ray Train's) and live ones (`live-checkpoint-*`) are not read
-    by the other mode, so the run would silently start over."""
-    from raytrain.checkpoint_files import checkpoint_dirs
-    from raytrain.live.log import live_checkpoints
+def cross_mode_resume(storage: RunStorage, run_dir: str, recovery: str) -> str | None:
+    """Where a run resumes when the other recovery mode wrote its newest checkpoint (one format,
+    `raytrain.checkpoint`, so either mode resumes from either's at any world size): said once. In restart mode
+    that is the newest live checkpoint when it is newer than Ray Train's latest committed one (returned: the
+    workers load it, `WorkerJob.resume_from`); live mode's driver finds the restart path's itself
+    (`raytrain.checkpoint_files.newest_checkpoint`). None when the run resumes from its own mode's, or starts."""
+    from raytrain.checkpoint_files import latest_committed, newest_checkpoint
 
-    restart = checkpoint_dirs(storage.path, storage.fs)
-    live = live_checkpoints(run_dir) if storage.is_local else []
-    mine, other = (live, restart) if recovery == "live" else (restart, live)
-    if other and not mine:
-        was = "restart" if recovery == "live" else "live"
-        raise ConfigError(
-            f'ClusterConfig(recovery="{recovery}"): {run_dir} holds checkpoints of recovery="{was}" only (newest at '
-            f'step {other[-1][0]}), which this mode does not resume from; use recovery="{was}" to resume, or a new '
-            "run_name to start over"
-        )
+    newest = newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
+    if newest is None:
+        return None
+    committed = latest_committed(storage.path, storage.fs)
+    live = newest != committed
+    if live == (recovery == "live"):
+        return None
+    was = "live" if live else "restart"
+    say(
+        f'resuming from checkpoint step {newest[0]}, written by recovery="{was}" ({posixpath.basename(newest[1])}): '
+        "both modes write one format"
+    )
+    return newest[1] if live else None
 
 
 def check_ray_address() -> None:
@@ -682,7 +686,7 @@ class ElasticTrainer:
 
         spec = self.spec
         check_resumable(storage)
-        check_recovery_mode(storage, run_dir, spec.cluster.recovery)
+        resume_from = cross_mode_resume(storage, run_dir, spec.cluster.recovery)
         self.check_user_functions()
         connect_ray(local_cpus(spec), f"{spec.cluster.max_workers} workers and Ray Data")
         waiting = check_capacity(spec)
@@ -726,7 +730,7 @@ class ElasticTrainer:
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in head.items()})
             trainer_datasets["train"] = train
-        return job, trainer_datasets
+        return replace(job, resume_from=resume_from), trainer_datasets
 
     def _fit(self, run_dir: str, storage: RunStorage) -> FitResult:
         from ray.train import CheckpointConfig as RayCheckpointConfig

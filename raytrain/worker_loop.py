@@ -78,6 +78,7 @@ class WorkerJob:
     )
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
+    resume_from: str | None = None  # a newer checkpoint than Ray Train's latest: the newest live one
 
 
 @torch.no_grad()
@@ -163,13 +164,18 @@ class Run:
         return self.job.spec
 
     def lr_at(self, step: int) -> float:
-        """The peak-relative LR of optimizer step `step` times the peak: the user's schedule hook, or warmup and
-        the configured schedule, at the step's schedule position (`clock`). Depends on the step and the global
-        batch only."""
-        position, total = self.clock.position(step), self.clock.total
-        if self.job.lr_schedule_fn is not None:
-            return self.peak_lr * float(self.job.lr_schedule_fn(position, total or 0))  # type: ignore[arg-type]
-        return self.peak_lr * self.spec.lr.factor(position, total)
+        """The LR of optimizer step `step` (`scheduled_lr` on this run's peak and clock)."""
+        return scheduled_lr(self.job, self.peak_lr, self.clock, step)
+
+
+def scheduled_lr(job: WorkerJob, peak_lr: float, clock: ScheduleClock, step: int) -> float:
+    """The peak-relative LR of optimizer step `step` times `peak_lr`: the user's schedule hook, or warmup and the
+    configured schedule, at the step's schedule position (`clock`). Depends on the step and the global batch only;
+    both recovery modes' loops take it from here."""
+    position, total = clock.position(step), clock.total
+    if job.lr_schedule_fn is not None:
+        return peak_lr * float(job.lr_schedule_fn(position, total or 0))  # type: ignore[arg-type]
+    return peak_lr * job.spec.lr.factor(position, total)
 
 
 def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
@@ -204,7 +210,11 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
 
 
 def _restore(
-    model: nn.Module, optimizer: torch.optim.Optimizer, log: Rank0Log, aliases: dict[str, list[str]] | None = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    log: Rank0Log,
+    aliases: dict[str, list[str]] | None = None,
+    resume_from: str | None = None,
 ) -> tuple[TrainState, IdRanges, tuple[str, Any] | None]:
     """The newest intact checkpoint loaded into `model` and `optimizer` (collective): (state, consumed ids, its
     (path, filesystem)), or a fresh state and None when there is none. `aliases`: the tied parameters' other names
@@ -214,11 +224,17 @@ def _restore(
     checkpoint (a file missing or cut short: `verify`) is skipped with one warning naming it, and stays in storage
     (Ray deletes it in its turn); when every one is damaged, `DamagedCheckpointsError` stops the run (never a
     partial load). Every rank sees the same files, so every rank chooses the same checkpoint. On object storage
-    the chosen checkpoint is downloaded once per node (`node_local_copy`)."""
+    the chosen checkpoint is downloaded once per node (`node_local_copy`). `resume_from` (a whole live checkpoint,
+    local, chosen by the driver: `raytrain.trainer.cross_mode_resume`) is loaded instead when it is at a later step
+    than Ray's latest."""
     import ray
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
+    if resume_from is not None and (
+        checkpoint is None or read_step(checkpoint.path, checkpoint.filesystem) < read_step(resume_from)
+    ):
+        return (*load_checkpoint(resume_from, model, optimizer, aliases), (resume_from, None))
     if checkpoint is None:
         return TrainState(), IdRanges(), None
     fs, latest = checkpoint.filesystem, checkpoint.path
@@ -414,7 +430,7 @@ def start_run(job: WorkerJob) -> Run:
             f"{pretrained.uri}: read {pretrained.bytes_read / 2**20:.4g} of {pretrained.nbytes / 2**20:.4g} MiB on "
             f"rank 0 in {built - began:.2f} s (each rank reads its shard)"
         )
-    state, consumed, restored_from = _restore(model, optimizer, log, aliases)
+    state, consumed, restored_from = _restore(model, optimizer, log, aliases, job.resume_from)
     restored = restored_from is not None
     loaded = time.perf_counter()
     if scaler is not None and state.loss_scale:

@@ -8,7 +8,9 @@ mode of recovery does not change the training. Sharded replica groups (HSDP: `--
 two workers on one node) through a kill, a drain and a node added: the same curve, no restart, the groups not
 touched keep their processes, the drained group leaves at a step boundary. A kill of the only replica (from inside
 it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest live checkpoint (one line
-says why), and the curve is still the fixed-size one.
+says why), and the curve is still the fixed-size one. One checkpoint format: a live run (HSDP) resumed in restart
+mode at another world size, then in live mode (plain replicas) again, trains every step once on the fixed-size
+curve.
 """
 
 from __future__ import annotations
@@ -108,5 +110,28 @@ def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint
     assert live["restarts"] == 1 and summary["restarts"] == 1
     (fallback,) = live["fallbacks"]
     assert fallback["restored_step"] % 5 == 0 and fallback["restored_step"] <= fallback["at_step"]
-    assert "every replica is lost: falling back to the restart path from live checkpoint step" in summary["stderr"]
+    assert "every replica is lost: falling back to the restart path from checkpoint step" in summary["stderr"]
     assert live["steps_retrained"] == fallback["at_step"] - fallback["restored_step"]
+
+
+def test_either_recovery_mode_resumes_the_others_checkpoint_at_another_world_size_and_layout(
+    tmp_path: Path, fixed_size_losses: list[float]
+) -> None:
+    common = ("--events", "none", "--checkpoint-every", "5", "--sample-time", "0")
+    live_hsdp = ("--recovery", "live", "--strategy", "zero3", "--dp-shard", "2", "--slots-per-node", "2")
+    runs = [  # (steps, arguments): each resumes where the one before stopped
+        (10, (*live_hsdp, "--nodes", "2", "--workers", "4")),
+        (20, ("--nodes", "3", "--workers", "3")),  # restart mode, ddp
+        (30, ("--recovery", "live", "--nodes", "2", "--workers", "2")),  # live, one worker per replica
+    ]
+    for steps, args in runs:
+        summary = demo(tmp_path, "cross", *common, "--steps", str(steps), *args)
+    check_invariants(summary, 30)
+    assert_same_curve(summary, fixed_size_losses)
+    starts = read_jsonl(str(Path(summary["run_dir"]) / "events.jsonl"))
+    assert [(e["step"], e["world_size"], e.get("recovery", "restart")) for e in starts] == [
+        (0, 4, "live"),
+        (10, 3, "restart"),
+        (20, 2, "live"),
+    ]  # each resumed from the step the other mode's checkpoint holds, none started over
+    assert 'written by recovery="restart"' in summary["stderr"]

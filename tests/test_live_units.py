@@ -4,6 +4,7 @@ config rules, the demo's flags, and `LiveLog` (metrics once per step, the resize
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from raytrain.checkpoint_files import live_checkpoints
 from raytrain.cli.demo import DemoOptions
 from raytrain.config import (
     BatchConfig,
@@ -21,11 +23,10 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
-from raytrain.data.materialized import epoch_order, step_positions
+from raytrain.data.materialized import epoch_order, step_position, step_positions
 from raytrain.errors import ConfigError
-from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
+from raytrain.live.log import LiveLog
 from raytrain.live.replica import live_share
-from raytrain.live.worker import step_position
 
 
 @pytest.mark.parametrize("participants", [1, 2, 3, 5, 7])
@@ -167,61 +168,104 @@ def test_live_log_writes_each_step_once_and_names_each_change_of_participants(tm
     assert "WARNING: steps [5] were recorded but step 4 never was; not written" in text
 
 
-def test_live_checkpoints_are_whole_or_absent_and_the_newest_are_kept(tmp_path: Path) -> None:
+def _tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    return model, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+
+
+def _write_live(log: LiveLog, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """What a live group's rank 0 sends (`LiveReplica.full_state`, packed) for `step` (24 samples a step)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    from raytrain.live.log import pack_state
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+    sd_model, sd_optim = get_state_dict(model, optimizer, options=options)
+    train_state = {"step": step, "epoch": 0, "sample_in_epoch": step * 24, "global_batch": 24, "plan": {}}
+    log.checkpoint(0, pack_state({"model": sd_model, "optim": sd_optim}), train_state)
+
+
+def test_live_checkpoints_are_the_restart_paths_format_whole_or_absent_and_the_newest_are_kept(
+    tmp_path: Path,
+) -> None:
+    from raytrain.checkpoint import load_checkpoint
+    from raytrain.checkpoint_files import verify
+
+    model, optimizer = _tiny()
     log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={"k": 1})
     for step in (5, 10, 15):
-        state = {"model": {"w": torch.full((2,), float(step))}, "optim": {}, "manager": {"step": step}}
-        log.checkpoint(0, step, 0, step * 24, state)
+        model(torch.ones(2, 3)).sum().backward()
+        optimizer.step()
+        _write_live(log, step, model, optimizer)
     (tmp_path / "live-checkpoint-00000020.partial").mkdir()  # a write cut short: never listed
     assert [step for step, _ in live_checkpoints(str(tmp_path))] == [10, 15]
-    state, tensors = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
+    newest = live_checkpoints(str(tmp_path))[-1][1]
+    assert verify(newest) is None  # a manifest of whole files, as the restart path writes
+    other, other_optimizer = _tiny()
+    state, _ = load_checkpoint(newest, other, other_optimizer)  # the restart path's loader
     assert (state.step, state.epoch, state.sample_in_epoch, state.config) == (15, 0, 360, {"k": 1})
-    assert torch.equal(tensors["model"]["w"], torch.full((2,), 15.0)) and tensors["manager"] == {"step": 15}
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(optimizer.state[a]["exp_avg_sq"], other_optimizer.state[b]["exp_avg_sq"])
+    assert [g["weight_decay"] for g in other_optimizer.param_groups] == [0.1, 0.0]
 
 
-def test_a_run_directory_of_the_other_recovery_mode_is_refused_not_started_over(tmp_path: Path) -> None:
+def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path: Path) -> None:
+    import json
+
     import pyarrow.fs as pafs
 
+    from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, STATE_FILE, newest_checkpoint
     from raytrain.storage import RunStorage
-    from raytrain.trainer import check_recovery_mode
+    from raytrain.trainer import cross_mode_resume
 
     storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
     for mode in ("restart", "live"):
-        check_recovery_mode(storage, str(tmp_path), mode)  # a new run: either mode
-    LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={}).checkpoint(
-        0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}}
-    )
-    check_recovery_mode(storage, str(tmp_path), "live")
-    with pytest.raises(
-        ConfigError, match=r'recovery="restart"\): .* holds checkpoints of recovery="live" only \(newest'
-    ):
-        check_recovery_mode(storage, str(tmp_path), "restart")
-    other = tmp_path / "restart-run"
-    (other / "checkpoint_2026-12-01_10-00-00.000000").mkdir(parents=True)
-    (other / "checkpoint_2026-12-01_10-00-00.000000" / "raytrain_state.json").write_text('{"step": 7}')
-    restart = RunStorage(pafs.LocalFileSystem(), str(other), str(other))
-    check_recovery_mode(restart, str(other), "restart")
-    with pytest.raises(ConfigError, match=r"only \(newest at step 7\), which this mode does not resume from"):
-        check_recovery_mode(restart, str(other), "live")
+        assert cross_mode_resume(storage, str(tmp_path), mode) is None  # a new run: nothing to resume
+    model, optimizer = _tiny()
+    _write_live(LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={}), 5, model, optimizer)
+    live = str(tmp_path / "live-checkpoint-00000005")
+    assert cross_mode_resume(storage, str(tmp_path), "restart") == live  # the workers load it
+    assert cross_mode_resume(storage, str(tmp_path), "live") is None  # its own: the driver finds it
+    # the restart path committed a later one (Ray Train's record names it): restart mode takes its own...
+    name = "checkpoint_2026-12-01_10-00-00.000000"
+    (tmp_path / name).mkdir()
+    (tmp_path / name / STATE_FILE).write_text('{"step": 7}')
+    (tmp_path / RAY_SNAPSHOT_FILE).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
+    assert cross_mode_resume(storage, str(tmp_path), "restart") is None
+    assert newest_checkpoint(str(tmp_path), live_too=True) == (7, str(tmp_path / name))  # ...and so does live
+    assert newest_checkpoint(str(tmp_path), live_too=False) == (7, str(tmp_path / name))
+    (tmp_path / name / STATE_FILE).write_text('{"step": 3}')  # older than the live one: both take the live one
+    assert newest_checkpoint(str(tmp_path), live_too=True) == (5, live)
+    assert cross_mode_resume(storage, str(tmp_path), "restart") == live
 
 
 def test_resuming_a_live_checkpoint_with_settings_that_move_the_data_position_is_refused(tmp_path: Path) -> None:
-    from raytrain.live.log import check_resumable_with
+    from raytrain.live.log import check_resumable_with, read_train_state
 
+    model, optimizer = _tiny()
     config = _spec().to_dict()
     log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config=config, num_rows=240)
-    log.checkpoint(0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}})
-    state, _ = load_live_checkpoint(live_checkpoints(str(tmp_path))[-1][1])
+    _write_live(log, 5, model, optimizer)
+    state = read_train_state(live_checkpoints(str(tmp_path))[-1][1])
     check_resumable_with(state, config, 240)  # the same settings: resumes
     other = _spec(batch=BatchConfig(global_batch=48, micro_batch=4), loop=LoopConfig(seed=3)).to_dict()
     with pytest.raises(ConfigError, match=r"batch.global_batch 24 -> 48, loop.seed 0 -> 3, training rows 240 -> 200"):
         check_resumable_with(state, other, 200)
+    # a restart-path checkpoint whose run changed its global batch before it: not at step x B
+    check_resumable_with(replace(state, step=10, sample_in_epoch=240), config, 240)  # the epoch's end: (1, 0)
+    moved = replace(state, sample_in_epoch=100)
+    with pytest.raises(ConfigError, match=r"step 5 is at epoch 0, sample 100, not where live mode puts step 5"):
+        check_resumable_with(moved, config, 240)
     # a Parquet source's order: its partitions (or shuffle window, or row groups) changed
     order = {"row_groups": 15, "rows": 240, "partitions": 4, "shuffle_window": 2}
     parquet = str(tmp_path / "p")
     log = LiveLog(parquet, audit=False, log_every=100, keep=2, config=config, num_rows=240, data_order=order)
-    log.checkpoint(0, 5, 0, 120, {"model": {}, "optim": {}, "manager": {"step": 5}})
-    state, _ = load_live_checkpoint(live_checkpoints(parquet)[-1][1])
+    _write_live(log, 5, model, optimizer)
+    state = read_train_state(live_checkpoints(parquet)[-1][1])
     check_resumable_with(state, config, 240, order)
     with pytest.raises(ConfigError, match=r"data order .*'partitions': 4.* -> .*'partitions': 8"):
         check_resumable_with(state, config, 240, {**order, "partitions": 8})

@@ -211,6 +211,13 @@ def steps_per_epoch(num_rows: int, global_batch: int, drop_last: bool) -> int:
     return steps
 
 
+def step_position(step: int, num_rows: int, global_batch: int, drop_last: bool) -> tuple[int, int]:
+    """Pure: (epoch, sample_in_epoch) of optimizer step `step` (0-based) when every epoch has the same number of
+    steps (a step never spans two epochs)."""
+    per_epoch = steps_per_epoch(num_rows, global_batch, drop_last)
+    return step // per_epoch, (step % per_epoch) * global_batch
+
+
 def steps_left_in_epoch(num_rows: int, global_batch: int, drop_last: bool, sample_in_epoch: int) -> int:
     """Steps still to run in an epoch whose first `sample_in_epoch` samples are consumed."""
     left = max(0, num_rows - sample_in_epoch)

@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from raytrain.live.log import LiveLog, live_checkpoints, load_live_checkpoint
+from raytrain.checkpoint_files import live_checkpoints, newest_checkpoint
+from raytrain.live.log import LiveLog, read_train_state
 from raytrain.live.replica import LiveReplicaLost
 from raytrain.live.worker import LiveOutcome, LiveSettings, LiveWorker
 from raytrain.worker_loop import WorkerJob
@@ -128,8 +129,8 @@ class LiveRun:
 
     # -- the actors ---------------------------------------------------------------------------------------------
 
-    def _start_replica(self, index: int, restore: Any, floor: int) -> _Replica:
-        """Start replica group `index`'s next actors, one per rank: from `restore` (a checkpoint's state) at a
+    def _start_replica(self, index: int, restore: str | None, floor: int) -> _Replica:
+        """Start replica group `index`'s next actors, one per rank: from `restore` (a checkpoint directory) at a
         group's start, else healing from a peer; `floor` is the steps the run has committed (a quorum behind it had
         no peer). Rank 0 serves the group's store; every rank's `build` waits for its address (an object ref)."""
         import ray
@@ -268,19 +269,18 @@ class LiveRun:
                 f"max_failures={limit}; the last: {cause}"
             )
 
-    def _restore(self) -> tuple[int, Any]:
-        """The newest live checkpoint of the run directory (step, object ref of its state), or (0, None);
-        `ConfigError` when it was written with settings that would move the data position."""
-        import ray
-
+    def _restore(self) -> tuple[int, str | None]:
+        """The newest checkpoint of the run directory, live or the restart path's (one format): (step, its
+        directory), or (0, None); `ConfigError` when it was written with settings that would move the data
+        position."""
         from raytrain.live.log import check_resumable_with
 
-        newest = live_checkpoints(self.run_dir)
-        if not newest:
+        newest = newest_checkpoint(self.run_dir, live_too=True)
+        if newest is None:
             return 0, None
-        state, tensors = load_live_checkpoint(newest[-1][1])
+        state = read_train_state(newest[1])
         check_resumable_with(state, self.job.spec.to_dict(), self._num_rows(), self._data_order())
-        return state.step, ray.put(tensors)
+        return state.step, newest[1]
 
     def _begin(self, restored: int, ready: list[_Replica]) -> None:
         """The start of a group of `ready` replicas from step `restored`: its line in events.jsonl and the log."""
@@ -414,10 +414,10 @@ class LiveRun:
         """Stop the replicas left and say why, once: the caller restarts from the newest live checkpoint."""
         import ray
 
-        newest = live_checkpoints(self.run_dir)
-        restored = newest[-1][0] if newest else 0
+        newest = newest_checkpoint(self.run_dir, live_too=True)
+        restored = newest[0] if newest else 0
         reason = f"live: {why}: falling back to the restart path from " + (
-            f"live checkpoint step {restored}" if newest else "the start (no checkpoint yet)"
+            f"checkpoint step {restored}" if newest else "the start (no checkpoint yet)"
         )
         at = ray.get(self._log.last_step.remote())
         self.result.fallbacks.append({"reason": reason, "at_step": at, "restored_step": restored})
@@ -490,7 +490,7 @@ class LiveRun:
                 ""
                 if successor is None
                 else f"; its successor {successor.name} "
-                + ("trains" if successor.launched else "waits for room and joins when placed")
+                + ("trains" if successor.launched else "joins once it is placed and built")
             ),
             {"kind": "left", "replica": replica.name, "pids": replica.pids, "step": step},
         )

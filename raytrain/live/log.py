@@ -4,9 +4,12 @@ path's formats (metrics.jsonl, samples.jsonl, events.jsonl, raytrain.log; `raytr
 
 Rank 0 of a live step changes when replicas come and go, so no worker owns the files: every replica that
 committed a step sends its record, the first record of each step is written, steps in order, and the
-participant count is logged each time it changes. Live checkpoints are `live-checkpoint-<step>/` directories
-holding the model, optimizer and torchft step count (`state.pt`) and the data position (`train_state.json`);
-each is written to a temporary name and renamed, so a crash mid-write leaves the previous one intact.
+participant count is logged each time it changes. Live checkpoints are `live-checkpoint-<step>/` directories in
+the restart path's format (`raytrain.checkpoint`: the model and the flattened optimizer state with DCP, the train
+state in raytrain_state.json, a manifest), written by this one process from the whole state the replica group of
+rank 0 gathered, so that either recovery mode resumes from either's checkpoints at any world size and layout (DCP
+reshards on load). Each is written to a temporary name and renamed, so a crash mid-write leaves the previous one
+intact.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import numpy as np
 import torch
 
 from raytrain.checkpoint import TrainState
+from raytrain.checkpoint_files import LIVE_CHECKPOINT_PREFIX as CHECKPOINT_PREFIX
+from raytrain.checkpoint_files import STATE_FILE, live_checkpoints
 from raytrain.rank0 import Rank0Log, resize_line
 
-CHECKPOINT_PREFIX = "live-checkpoint-"
 LIVE_EVENTS_FILE = "live.jsonl"  # membership of the live replicas: joined, lost, fallback (one JSON line each)
 
 
@@ -63,23 +67,15 @@ def unpack_state(value: Any) -> Any:
     return value
 
 
-def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """(step, directory) of the run's complete live checkpoints, oldest first."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = []
-    for name in os.listdir(run_dir):
-        if name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX) :].isdigit():
-            found.append((int(name[len(CHECKPOINT_PREFIX) :]), os.path.join(run_dir, name)))
-    return sorted(found)
-
-
 def check_resumable_with(
     state: TrainState, config: dict[str, Any], num_rows: int, data_order: dict[str, int] | None = None
 ) -> None:
-    """`ConfigError` when a live checkpoint was written with another global batch, seed, drop_last, data size or
-    Parquet order (`data_order`: partitions, shuffle window, row groups) than the run resuming from it: live mode
-    finds a step's samples from the step number and these, so any of them changed would skip or repeat samples."""
+    """`ConfigError` when a checkpoint a live run resumes from (its own, or the restart path's) was written with
+    another global batch, seed, drop_last, data size or Parquet order (`data_order`: partitions, shuffle window,
+    row groups) than the run resuming from it, or at a data position other than the one its step has at this
+    global batch: live mode finds a step's samples from the step number and these, so any of them changed would
+    skip or repeat samples."""
+    from raytrain.data.materialized import step_position
     from raytrain.errors import ConfigError
 
     stored = state.config
@@ -91,6 +87,18 @@ def check_resumable_with(
         "data order": (state.data_order or None, data_order or None),
     }
     changed = [f"{name} {old!r} -> {new!r}" for name, (old, new) in pairs.items() if old is not None and old != new]
+    if not changed:
+        batch, drop_last = config["batch"]["global_batch"], config["batch"]["drop_last"]
+        position = step_position(state.step, num_rows, batch, drop_last) if num_rows else None
+        stored = (state.epoch, state.sample_in_epoch)
+        if state.sample_in_epoch + (batch if drop_last else 1) > num_rows:  # no step left: the next epoch's start
+            stored = (state.epoch + 1, 0)
+        if position is not None and position != stored:
+            raise ConfigError(
+                f"checkpoint step {state.step} is at epoch {state.epoch}, sample {state.sample_in_epoch}, not where "
+                f"live mode puts step {state.step} at global batch {batch} (epoch {position[0]}, sample "
+                f"{position[1]}): the run changed its global batch before it; resume it in restart mode"
+            )
     if changed:
         raise ConfigError(
             f"live checkpoint step {state.step} was written with other settings than this run: {', '.join(changed)};"
@@ -99,11 +107,10 @@ def check_resumable_with(
         )
 
 
-def load_live_checkpoint(directory: str) -> tuple[TrainState, dict[str, Any]]:
-    """A live checkpoint's train state and its state dict (model, optim, manager)."""
-    with open(os.path.join(directory, "train_state.json")) as f:
-        state = TrainState.from_json(json.load(f))
-    return state, torch.load(os.path.join(directory, "state.pt"), weights_only=True, map_location="cpu")
+def read_train_state(directory: str) -> TrainState:
+    """A checkpoint's train state (live or restart path: the same file), nothing else loaded."""
+    with open(os.path.join(directory, STATE_FILE)) as f:
+        return TrainState.from_json(json.load(f))
 
 
 class LiveLog:
@@ -179,27 +186,36 @@ class LiveLog:
         self.plan, self.lr = plan, metrics["lr"]
         self.log.step(metrics, ids)
 
-    def checkpoint(self, group: int, step: int, epoch: int, sample_in_epoch: int, state: dict[str, Any]) -> None:
-        """Write group `group`'s live checkpoint of `step` (the data position of the NEXT step: epoch,
-        sample_in_epoch; `state` as `pack_state` made it) and keep the newest `keep`."""
+    def checkpoint(self, group: int, state: dict[str, Any], train_state: dict[str, Any]) -> None:
+        """Write group `group`'s live checkpoint: `state` (model and flattened optimizer state, as `pack_state`
+        made it) with DCP, `train_state` (`raytrain.checkpoint.TrainState`'s fields but the config, data order
+        and row count, which this log adds) and the manifest; keep the newest `keep`."""
+        import torch.distributed.checkpoint as dcp
+
+        from raytrain.checkpoint import CONSUMED_FILE, one_process_quietly
+        from raytrain.checkpoint_files import file_sizes, write_manifest
+
+        step = train_state["step"]
         final = os.path.join(self.run_dir, f"{CHECKPOINT_PREFIX}{step:08d}")
         if group != self.group or os.path.exists(final):
             return
         partial = final + ".partial"
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
-        torch.save(unpack_state(state), os.path.join(partial, "state.pt"))
-        train_state = TrainState(
-            step=step,
-            epoch=epoch,
-            sample_in_epoch=sample_in_epoch,
-            global_batch=self.config.get("batch", {}).get("global_batch", 0),
-            plan={"num_rows": self.num_rows},
+        tensors = unpack_state(state)
+        with one_process_quietly():
+            dcp.save({"model": tensors["model"], "optim": tensors["optim"]}, checkpoint_id=partial, no_dist=True)
+        plan = {**train_state.pop("plan", {}), "num_rows": self.num_rows}
+        record = TrainState(
+            **train_state,
+            plan=plan,
             config=self.config,
             data_order=self.data_order,
         )
-        with open(os.path.join(partial, "train_state.json"), "w") as f:
-            json.dump(asdict(train_state), f)
+        with open(os.path.join(partial, STATE_FILE), "w") as f:
+            json.dump(asdict(record), f)
+        np.save(os.path.join(partial, CONSUMED_FILE), np.zeros((0, 2), dtype=np.int64))  # the position paths
+        write_manifest(partial, file_sizes(partial))
         os.rename(partial, final)
         for _, old in live_checkpoints(self.run_dir)[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)

@@ -185,33 +185,21 @@ class LiveReplica:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optim"])
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Load a live checkpoint (`full_state()`'s form, the whole model whatever the group's sharding) before the
-        first quorum: model, optimizer and the step count, so the replicas of a restarted group go on from its
-        step. Every rank of the group calls it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(full_state_dict=True),
-        )
-        self.manager.load_state_dict(state["manager"])
+    def restore(self, step: int) -> None:
+        """The step count of the checkpoint the group's model and optimizer were loaded from (before the first
+        quorum), so the replicas of a restarted group go on from its step."""
+        self.manager.load_state_dict({"step": step, "batches_committed": step})
 
     def full_state(self) -> dict[str, Any] | None:
-        """The whole model and optimizer state (keyed by parameter name, on the CPU) and torchft's step count:
-        what a live checkpoint holds, at any group sharding. A collective over the group when it shards the
-        model: every rank calls it, rank 0 gets the state, the others None."""
+        """The whole model and optimizer state, keyed by parameter name, on the CPU, the optimizer's flattened as
+        the restart path's checkpoints store it: what a live checkpoint holds, at any group sharding. A
+        collective over the group when it shards the model: every rank calls it, rank 0 gets the state, the
+        others None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model, optim = get_state_dict(
-            self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank != 0:
-            return None
-        return {"model": model, "optim": optim, "manager": self.manager.state_dict()}
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, flatten_optimizer_state_dict=True)
+        model, optim = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model, "optim": optim} if self.rank == 0 else None
 
     def start_step(self) -> Quorum:
         """Join this step's quorum (healing from a peer first when behind) and return it; its step is the one

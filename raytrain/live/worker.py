@@ -22,7 +22,7 @@ import torch
 from raytrain import faults
 from raytrain.batch_plan import BatchPlan, split_step
 from raytrain.data.id_ranges import IdRanges
-from raytrain.data.materialized import run_total_steps, steps_per_epoch
+from raytrain.data.materialized import run_total_steps, step_position, steps_per_epoch
 from raytrain.data.parquet import ParquetSteps
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
@@ -31,7 +31,7 @@ from raytrain.live.replica import LiveShare
 from raytrain.optim import lr_ratios, set_lr
 from raytrain.parallel.dims import ParallelDims
 from raytrain.rng import MicroBatchSeeds
-from raytrain.worker_loop import WorkerJob, build_model, settle_heap, step_source
+from raytrain.worker_loop import WorkerJob, build_model, scheduled_lr, settle_heap, step_source
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,14 @@ class LiveOutcome:
     left: bool = False  # it left at a step boundary, asked by the driver (its node is being drained)
 
 
-def step_position(step: int, num_rows: int, global_batch: int, drop_last: bool) -> tuple[int, int]:
-    """Pure: (epoch, sample_in_epoch) of optimizer step `step` (0-based) when every epoch has the same number of
-    steps (a step never spans two epochs)."""
-    per_epoch = steps_per_epoch(num_rows, global_batch, drop_last)
-    return step // per_epoch, (step % per_epoch) * global_batch
-
-
 class LiveWorker:
     """One worker of a live replica group (rank `settings.shard_rank` of `settings.dp_shard`). Built by the driver
     as a Ray actor: `address` (rank 0 serves the group's TCP store), then `build` on every rank of the group (its
-    process group, the model sharded over it, torchft's manager; `restore`, a live checkpoint's state, is loaded
+    process group, the model sharded over it, torchft's manager; `restore`, a checkpoint directory of either
+    recovery mode, is loaded
     before the first quorum), then `run`, which trains until the run's last step and returns a `LiveOutcome`."""
 
-    def __init__(self, job: WorkerJob, settings: LiveSettings, log: Any, restore: dict[str, Any] | None) -> None:
+    def __init__(self, job: WorkerJob, settings: LiveSettings, log: Any, restore: str | None) -> None:
         from torch.distributed import TCPStore
 
         from raytrain.data.materialized import IndexedData
@@ -124,8 +118,11 @@ class LiveWorker:
         import ray
         import torch.distributed as dist
 
+        from raytrain.checkpoint import load_checkpoint
         from raytrain.data.materialized import IndexedSteps
         from raytrain.live.replica import LiveReplica
+        from raytrain.lr_rules import ScheduleClock
+        from raytrain.model_init import tie_aliases
         from raytrain.optim import build_optimizer
         from raytrain.parallel.apply import apply_parallelism, step_policy
         from raytrain.parallel.strategy import resolve_layout
@@ -161,6 +158,7 @@ class LiveWorker:
         )
         if layout.reason:
             self._note(layout.reason)
+        aliases = tie_aliases(model)  # a tied parameter's optimizer state is stored under one of its names
         self.model = apply_parallelism(
             model,
             layout.strategy,
@@ -176,9 +174,20 @@ class LiveWorker:
             log=self._note,
         )
         self.policy = step_policy(layout.strategy, size, parallel.precision, layout.grad_accumulation)
-        self.peak_lr = spec.lr.peak_lr(self.global_batch)
-        self.optimizer = build_optimizer(self.model, job.optimizer_fn, self.peak_lr, layout.strategy)
-        self.ratios = lr_ratios(self.optimizer, self.peak_lr)
+        self.optimizer = build_optimizer(
+            self.model, job.optimizer_fn, spec.lr.peak_lr(self.global_batch), layout.strategy
+        )
+        self.ratios = lr_ratios(self.optimizer, spec.lr.peak_lr(self.global_batch))  # before a checkpoint's LRs load
+        decay = spec.lr.decay_steps
+        self.clock = ScheduleClock(total=decay or self.total_steps, end=None if decay else self.total_steps)
+        self.base_batch = spec.lr.base_batch or self.global_batch
+        state = None
+        if self._restore is not None:  # the model and optimizer as the restart path loads them (DCP reshards)
+            state, _ = load_checkpoint(self._restore, self.model, self.optimizer, aliases)
+            self.base_batch = spec.lr.base_batch or state.base_batch or self.global_batch
+            if state.schedule:
+                self.clock = ScheduleClock.from_dict(state.schedule).resumed(state.step, self.clock)
+        self.peak_lr = spec.lr.peak_lr(self.global_batch, self.base_batch)
         self.replica = LiveReplica(
             self.model,
             self.optimizer,
@@ -191,9 +200,8 @@ class LiveWorker:
             timeout=timedelta(seconds=settings.timeout_s),
             quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
         )
-        if self._restore is not None:
-            self.replica.restore(self._restore)
-            self._restore = None
+        if state is not None:
+            self.replica.restore(state.step)
         # the restart path's step source (the same order, the same rows per rank); its share is set every step
         source = step_source(job, self._full_plan(1), ParallelDims.of(1), 0, cpu, IdRanges(), self._note)
         assert isinstance(source, IndexedSteps | ParquetSteps), "live mode runs deterministic mode only"
@@ -230,13 +238,9 @@ class LiveWorker:
         return split_step(self.global_batch, self.job.spec.batch.micro_batch, ranks)
 
     def lr_at(self, step: int) -> float:
-        """The LR of step `step`: the peak for the global batch (its rule, never the replica count) times the
-        schedule, as in the restart path's loop."""
-        spec = self.job.spec
-        total = spec.lr.decay_steps or self.total_steps
-        if self.job.lr_schedule_fn is not None:
-            return self.peak_lr * float(self.job.lr_schedule_fn(step, total))
-        return self.peak_lr * spec.lr.factor(step, total)
+        """The LR of step `step`: the restart path's (`scheduled_lr`: the peak for the global batch, by its rule,
+        never the replica count, times the schedule at the step's position)."""
+        return scheduled_lr(self.job, self.peak_lr, self.clock, step)
 
     def run(self) -> LiveOutcome:
         """Train steps until the run's last one; every quorum may have other participants. Raises
@@ -364,11 +368,17 @@ class LiveWorker:
             fault_point("checkpoint")
             state = self.replica.full_state()  # a collective over the group
             if state is not None:
-                self.log.checkpoint.remote(
-                    self.settings.group,
-                    done,
-                    epoch,
-                    sample_in_epoch + share.plan.global_batch,
-                    pack_state(state),
-                )
+                train_state = {
+                    "step": done,
+                    "epoch": epoch,
+                    "sample_in_epoch": sample_in_epoch + share.plan.global_batch,
+                    "samples_seen": epoch * epoch_samples + sample_in_epoch + share.plan.global_batch,
+                    "world_size": share.participants,
+                    "global_batch": self.global_batch,
+                    "base_batch": self.base_batch,
+                    "peak_lr": self.peak_lr,
+                    "schedule": self.clock.to_dict(),
+                    "plan": share.plan.to_dict(),
+                }
+                self.log.checkpoint.remote(self.settings.group, pack_state(state), train_state)
             fault_point("report")
