@@ -90,10 +90,10 @@ def check_resumable_with(
     if not changed:
         batch, drop_last = config["batch"]["global_batch"], config["batch"]["drop_last"]
         position = step_position(state.step, num_rows, batch, drop_last) if num_rows else None
-        stored = (state.epoch, state.sample_in_epoch)
+        at = (state.epoch, state.sample_in_epoch)
         if state.sample_in_epoch + (batch if drop_last else 1) > num_rows:  # no step left: the next epoch's start
-            stored = (state.epoch + 1, 0)
-        if position is not None and position != stored:
+            at = (state.epoch + 1, 0)
+        if position is not None and position != at:
             raise ConfigError(
                 f"checkpoint step {state.step} is at epoch {state.epoch}, sample {state.sample_in_epoch}, not where "
                 f"live mode puts step {state.step} at global batch {batch} (epoch {position[0]}, sample "
