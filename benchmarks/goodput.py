@@ -1,7 +1,7 @@
-"""python benchmarks/goodput.py [--quick] [--only bare,restart,live]
+"""python benchmarks/goodput.py [--quick] [--only bare,restart,live,live_hsdp]
 
 Goodput: the share of the wall time that trains, when a training process is SIGKILLed every 50 steps. One model and
-data set, three ways to recover, in one run:
+data set, four ways to recover, in one run:
     bare      a hand-written Ray Train loop, the usual recipe: `TorchTrainer` with `FailureConfig(max_failures)`,
               DDP, a `torch.save` checkpoint of model and optimizer on rank 0 reported every 10 steps, resume
               from `ray.train.get_checkpoint()`; Ray Train restarts the worker group after a kill
@@ -9,12 +9,15 @@ data set, three ways to recover, in one run:
               the group, raytrain resumes from its newest checkpoint (DCP, written in the background)
     live      the same trainer with `recovery="live"`: torchft replica groups; the survivor finishes the step with
               the same global batch and goes on, a replacement heals from it and joins
-Same for all three: `raytrain.toy.block_mlp(64, 1024, 2)` (8.5 M parameters; AdamW's state makes a checkpoint
+    live_hsdp live mode with sharded replica groups (`ParallelConfig(dp_shard=2)`, zero3 in each group): two groups
+              of two workers (W = 4 on the same 2 cores); a kill loses its group, the other finishes the step, a
+              new group heals from it
+Same for all: `raytrain.toy.block_mlp(64, 1024, 2)` (8.5 M parameters; AdamW's state makes a checkpoint
 ~100 MB), `raytrain.toy.regression_arrays` (64 features, 50 steps per epoch), global batch 1024 in micro-batches of
 128, W = 2 CPU workers (gloo, one thread each: about 0.35 s of matrix multiplies per step at W = 2, no sleep), 200
 steps, a checkpoint every 10 steps, one local Ray instance. The kills are the same event in every variant:
 `raytrain.faults` (RAYTRAIN_FAULTS) makes rank 1, then 0, then 1 SIGKILL itself before the forward of steps 50, 100
-and 150; the bare loop calls the same fault points.
+and 150; the bare loop calls the same fault points (live_hsdp: data ranks 1, 0, 1 of 4, both in the first group).
 
 From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
 trained again after a restart is counted once, at the first time it finished):
@@ -28,8 +31,8 @@ trained again after a restart is counted once, at the first time it finished):
     fault-free      the same over steps 10 .. 40 (no kill yet): what the checkpoints alone cost
     kill cost s     the wall time beyond the fault-free pace (checkpoints included), per kill:
                     ((t_n - t_5) - (n - 5) x step s / fault-free) / kills
-Keys: goodput_bare, goodput_restart, goodput_live; goodput_fault_free_*, goodput_kill_cost_s_*. `goodput_live_hsdp`
-(live mode with sharded replica groups) is not measured: live mode runs ddp replicas only. One repetition per run
+Keys: goodput_bare, goodput_restart, goodput_live, goodput_live_hsdp; goodput_fault_free_*, goodput_kill_cost_s_*,
+goodput_live_over_restart, goodput_live_hsdp_over_restart. One repetition per run
 (`run_all.py` runs it three times and reports min/median/max); the variants rotate their order per repetition.
 Timings depend on the machine's load (its load average is printed).
 """
@@ -50,7 +53,8 @@ from _common import first_rep, machine_line, median, print_headline, read_jsonl,
 FEATURES, WIDTH, BLOCKS = 64, 1024, 2
 GLOBAL_BATCH, MICRO_BATCH, WORKERS = 1024, 128, 2
 EPOCH_STEPS, EVERY, SKIP, LR, SEED = 50, 10, 5, 1e-3, 0
-VARIANTS = ("bare", "restart", "live")
+VARIANTS = ("bare", "restart", "live", "live_hsdp")
+HSDP_SHARD = 2  # live_hsdp: workers per replica group
 
 
 def kill_plan(steps: int, every: int) -> str:
@@ -149,15 +153,18 @@ def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str
 # ---------------------------------------------------------------- raytrain
 
 
-def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str) -> tuple[list[dict[str, Any]], int]:
-    """One ElasticTrainer run (`recovery` "restart" or "live"): rank 0's metrics.jsonl (each step once), and the
-    steps trained again (restart: from each kill's step back to the checkpoint the next group resumed from; live:
-    the attempts the survivors redid after a kill, and a fallback's steps since its checkpoint, as the demo counts
-    them)."""
-    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
+def raytrain_run(storage: str, name: str, steps: int, kills: str, variant: str) -> tuple[list[dict[str, Any]], int]:
+    """One ElasticTrainer run (`variant` "restart", "live" or "live_hsdp"): rank 0's metrics.jsonl (each step once),
+    and the steps trained again (restart: from each kill's step back to the checkpoint the next group resumed from;
+    live: the attempts the survivors redid after a kill, and a fallback's steps since its checkpoint, as the demo
+    counts them)."""
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
     from raytrain.toy import adamw, block_mlp_factory, regression_dataset, squared_error
     from raytrain.trainer import ElasticTrainer
 
+    recovery = "restart" if variant == "restart" else "live"
+    shard = HSDP_SHARD if variant == "live_hsdp" else 1
+    strategy = "zero3" if shard > 1 else "ddp"
     os.environ["RAYTRAIN_FAULTS"] = kills  # the workers get it with the job
     try:
         trainer = ElasticTrainer(
@@ -167,9 +174,12 @@ def raytrain_run(storage: str, name: str, steps: int, kills: str, recovery: str)
             datasets={"train": regression_dataset(GLOBAL_BATCH * EPOCH_STEPS, FEATURES, seed=SEED)},
             batch=BatchConfig(global_batch=GLOBAL_BATCH, micro_batch=MICRO_BATCH),
             lr=LRConfig(base_lr=LR),
-            loop=LoopConfig(epochs=None, max_steps=steps, seed=SEED, id_column="id", log_every=10**6),
+            loop=LoopConfig(
+                epochs=None, max_steps=steps, seed=SEED, id_column="id", log_every=10**6, strategy=strategy
+            ),
             checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=EVERY, keep=2),
-            cluster=ClusterConfig(min_workers=1, max_workers=WORKERS, max_failures=10, recovery=recovery),
+            cluster=ClusterConfig(min_workers=shard, max_workers=WORKERS * shard, max_failures=10, recovery=recovery),
+            parallel=ParallelConfig(dp_shard=shard),
             required_columns=("x", "y"),
         )
         result = trainer.fit()
@@ -225,7 +235,7 @@ def goodput(records: list[dict[str, Any]], steps: int, first_kill: int) -> dict[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 steps, one kill at step 30 (a smoke run)")
-    parser.add_argument("--only", default=",".join(VARIANTS), help="variants to run (default: all three)")
+    parser.add_argument("--only", default=",".join(VARIANTS), help="variants to run (default: all four)")
     parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
     args = parser.parse_args()
     steps, every = (60, 30) if args.quick else (200, 50)
@@ -238,7 +248,7 @@ def main() -> int:
     order = variants[shift:] + variants[:shift]
     storage = args.storage or tempfile.mkdtemp(prefix="raytrain-goodput-")
     print(machine_line(), flush=True)
-    start_ray()
+    start_ray(num_cpus=WORKERS * HSDP_SHARD + 1)  # live_hsdp's 4 workers and Ray Data
     found: dict[str, dict[str, Any]] = {}
     for variant in order:
         began = time.perf_counter()
@@ -287,9 +297,17 @@ def main() -> int:
     headline |= {f"goodput_kill_cost_s_{v}": round(r["beyond_pace_s"] / count, 2) for v, r in found.items()}
     headline |= {f"goodput_step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
     headline["goodput_kill_every_s"] = round(every * step_s, 1)
-    if "live" in found and "restart" in found:
-        headline["goodput_live_over_restart"] = round(found["live"]["goodput"] / found["restart"]["goodput"], 3)
-    headline["settings"] = {"steps": steps, "kills": kills, "checkpoint_every_steps": EVERY, "workers": WORKERS}
+    for live in ("live", "live_hsdp"):
+        if live in found and "restart" in found:
+            ratio = found[live]["goodput"] / found["restart"]["goodput"]
+            headline[f"goodput_{live}_over_restart"] = round(ratio, 3)
+    headline["settings"] = {
+        "steps": steps,
+        "kills": kills,
+        "checkpoint_every_steps": EVERY,
+        "workers": WORKERS,
+        "live_hsdp": f"{WORKERS} replica groups of dp_shard={HSDP_SHARD} (zero3), W = {WORKERS * HSDP_SHARD}",
+    }
     print_headline(headline)
     return 0
 

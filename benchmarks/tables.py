@@ -151,6 +151,13 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("goodput", "goodput_bare", "goodput, a SIGKILL every 50 steps: bare Ray Train, restart from its checkpoint", None),
     ("goodput", "goodput_restart", "goodput, the same kills: raytrain, recovery restart", None),
     ("goodput", "goodput_live", "goodput, the same kills: raytrain, recovery live (ddp replicas)", None),
+    (
+        "goodput",
+        "goodput_live_hsdp",
+        "goodput, the same kills: raytrain, recovery live (2 groups of dp_shard 2, zero3)",
+        (">=", 0.9),
+    ),
+    ("goodput", "goodput_live_hsdp_over_restart", "goodput: live (HSDP) ÷ restart", (">=", 1.5)),
 ]
 
 

@@ -143,10 +143,10 @@ def test_checkpoint_cost_quick() -> None:
 @pytest.mark.ray
 @pytest.mark.benchmark
 def test_goodput_quick() -> None:
-    """Bare Ray Train, raytrain restart and raytrain live, each killed once by the same fault point, all reach the
-    last step; the goodputs are fractions of the wall time."""
+    """Bare Ray Train, raytrain restart, raytrain live and live with sharded groups, each killed once by the same
+    fault point, all reach the last step; the goodputs are fractions of the wall time."""
     headline = run_benchmark("goodput.py")
-    for variant in ("bare", "restart", "live"):
+    for variant in ("bare", "restart", "live", "live_hsdp"):
         assert 0 < headline[f"goodput_{variant}"] <= 1.05, headline  # a median step: a fast interval may beat it
         assert 0 < headline[f"goodput_fault_free_{variant}"] <= 1.05, headline
         assert headline[f"goodput_step_s_{variant}"] > 0

@@ -60,7 +60,7 @@ def test_dry_run_names_the_recovery_mode_and_refuses_live_with_what_it_does_not_
     assert "recovery: restart (Ray Train restarts the worker group" in plain.stdout
     zero = run_cli("fit", job, "--dry-run", "--strategy", "zero2", "--storage", str(tmp_path / "runs"), env=head)
     assert zero.returncode == 2
-    assert "loop.strategy must be 'ddp' or 'auto' (each replica holds the whole model), got 'zero2'" in zero.stderr
+    assert "loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica holds the whole" in zero.stderr
     example = Path(EXAMPLE).read_text().replace('"fit_entry.py:', f'"{REPO}/examples/fit_entry.py:')
     with_val = write(tmp_path, example.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
     refused = run_cli("fit", with_val, "--dry-run", "--storage", str(tmp_path / "runs"), env=head)  # as a start does
