@@ -1,16 +1,16 @@
 """Live recovery under Ray (`raytrain demo --recovery live`, `ClusterConfig(recovery="live")`), end to end: real Ray (a
 fake-node cluster per run), real torchft replica groups and lighthouse, real SIGKILLs.
 
-Two kills: the replicas that were not killed run from the first step to the last in the process they started in;
-every step trains exactly the global batch; the audit is clean; the loss equals, step by step, the fixed-size run of
-the *restart* path (`fixed_size_losses`): live replicas read the same step source (the demo's Parquet files), so the
-mode of recovery does not change the training. Sharded replica groups (HSDP: `--dp-shard 2`, zero3 in each group of
-two workers on one node) through a kill, a drain and a node added: the same curve, no restart, the groups not
-touched keep their processes, the drained group leaves at a step boundary. A kill of the only replica (from inside
-it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest live checkpoint (one line
-says why), and the curve is still the fixed-size one. One checkpoint format: a live run (HSDP) resumed in restart
-mode at another world size, then in live mode (plain replicas) again, trains every step once on the fixed-size
-curve.
+A kill and a node lost: the replicas that were not killed run from the first step to the last in the process they
+started in; every step trains exactly the global batch; the audit is clean; the loss equals, step by step, the
+fixed-size run of the *restart* path (`fixed_size_losses`): live replicas read the same step source (the demo's
+Parquet files), so the mode of recovery does not change the training. Sharded replica groups (HSDP: `--dp-shard 2`,
+zero3 in each group of two workers on one node) through a kill, a drain and a node added: the same curve, no
+restart, the groups not touched keep their processes, the drained group leaves at a step boundary. A kill of the
+only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest
+checkpoint (one line says why), and the curve is still the fixed-size one. One checkpoint format: a live run (HSDP)
+resumed in restart mode at another world size, then in live mode (plain replicas) again, trains every step once on
+the fixed-size curve.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ LIVE = ("--recovery", "live", "--steps", str(STEPS), "--checkpoint-every", "5")
 PACED = ("--sample-time", "0.01")  # simulated compute: the events land mid-run (it changes no loss)
 
 
-def test_two_kills_survivors_never_restart_and_the_batch_stays_exact(
+def test_a_kill_and_a_node_lost_survivors_never_restart_and_the_batch_stays_exact(
     tmp_path: Path, fixed_size_losses: list[float]
 ) -> None:
-    summary = demo(tmp_path, "kills", *LIVE, *PACED, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,kill@25")
+    # a SIGKILL, then a node removed without notice (its replica dies with it; no room for a replacement after)
+    summary = demo(
+        tmp_path, "kills", *LIVE, *PACED, "--nodes", "3", "--workers", "1:3", "--events", "kill@10,remove@25"
+    )
     check_invariants(summary, STEPS)
     assert_same_curve(summary, fixed_size_losses)
     live = summary["live"]

@@ -393,3 +393,18 @@ def test_a_packed_checkpoint_state_unpacks_exactly_and_is_a_copy() -> None:
     assert back["optim"]["state"][0]["step"].shape == () and float(back["optim"]["state"][0]["step"]) == 7.0
     assert torch.equal(back["optim"]["state"][0]["ids"], torch.arange(4))
     assert back["optim"]["param_groups"] == [{"lr": 0.1}]
+
+
+def test_a_node_added_is_timed_to_the_first_step_a_new_group_trained() -> None:
+    """`live_summary`, pure: a kill's pause is the time to the next committed step; a node added is also timed to
+    the first step at a larger world than before it (a new group placed, built and healed)."""
+    from raytrain.cli.demo import AppliedEvent, live_summary
+    from raytrain.live.driver import LiveResult
+
+    worlds = {**dict.fromkeys(range(1, 11), 4), **dict.fromkeys(range(11, 16), 2), **dict.fromkeys(range(16, 21), 4)}
+    metrics = [{"step": s, "time": 100.0 + s, "world_size": w} for s, w in worlds.items()]
+    kill = AppliedEvent("kill", 10, 10, 110.5, "SIGKILL")
+    add = AppliedEvent("add", 12, 12, 112.5, "added node")
+    summary = live_summary(metrics, [kill, add], LiveResult([]))
+    assert summary["pause_s"] == [0.5, 0.5]  # steps 11 and 13 came 0.5 s after each
+    assert summary["grown_s"] == [None, 3.5]  # step 16, the first at world 4 again, 3.5 s after the node came

@@ -217,6 +217,7 @@ class AppliedEvent:
     restored_step: int | None = None  # the checkpoint step the next worker group resumed from
     peak_step: int = 0  # the furthest step trained between the event and the restart
     node_gone_time: float | None = None  # a drain: when the node was removed (its deadline)
+    grown_time: float | None = None  # live mode, a node added: the first step committed at a larger world after it
 
     @property
     def steps_lost(self) -> int | None:
@@ -229,6 +230,12 @@ class AppliedEvent:
     def recovery_s(self) -> float | None:
         """Seconds from the event to the first step finished by the next worker group."""
         return None if self.recovered_time is None else self.recovered_time - self.time
+
+    @property
+    def grown_s(self) -> float | None:
+        """Live mode, a node added: seconds from its arrival to the first step a new replica group took part in
+        (placed, built, healed from a peer) while the others trained."""
+        return None if self.grown_time is None else self.grown_time - self.time
 
 
 class FakeCluster:
@@ -548,17 +555,23 @@ def autoscale_summary(
 def live_summary(metrics: list[dict[str, Any]], applied: list[AppliedEvent], result: Any) -> dict[str, Any]:
     """A live run's recoveries, from its metrics and the `raytrain.live.driver.LiveResult`: for each event, the
     seconds from the event to the first step committed after it (`pause_s`, the same measure as a restart's
-    `recovery_s`) and the world that committed it (filled into `applied` too); the steps trained again
+    `recovery_s`) and the world that committed it (filled into `applied` too), and for a node added the seconds to
+    the first step at a larger world (`grown_s`: a new group placed, built and healed); the steps trained again
     (`steps_retrained`: attempts that failed and were redone, and the steps between a fallback's checkpoint and
     the step it had reached); every replica that ran to the end, with its pid and first step."""
     for event in applied:
         after = [m for m in metrics if m["time"] > event.time and m["step"] > event.applied_step]
         if after:
             event.recovered_time, event.recovered_world_size = after[0]["time"], after[0]["world_size"]
+        before = [m["world_size"] for m in metrics if m["step"] <= event.applied_step]
+        grown = [m for m in after if before and m["world_size"] > before[-1]]
+        if event.kind == "add" and grown:
+            event.grown_time = grown[0]["time"]
     failed = sorted({step for outcome in result.outcomes for step in outcome.failed_steps})
     rolled_back = sum(max(0, f["at_step"] - f["restored_step"]) for f in result.fallbacks)
     return {
         "pause_s": [None if e.recovery_s is None else round(e.recovery_s, 3) for e in applied],
+        "grown_s": [None if e.grown_s is None else round(e.grown_s, 3) for e in applied],
         "steps_retrained": len(failed) + rolled_back,
         "failed_steps": failed,
         "lost": result.lost,
@@ -866,7 +879,10 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         else [s["world_size"] for s in starts],
         "layouts": [s.get("layout") for s in starts] if options.tp * options.pp > 1 else None,
         "restarts": len(starts) - 1,  # live mode: only its fallbacks restart
-        "events": [{**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost} for e in driver.applied],
+        "events": [
+            {**asdict(e), "recovery_s": e.recovery_s, "steps_lost": e.steps_lost, "grown_s": e.grown_s}
+            for e in driver.applied
+        ],
         "skipped_events": driver.skipped,
         "plot": plot_run(
             run_dir,

@@ -435,6 +435,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                 if event["recovered_time"]
                 else "no step committed after it"
             )
+            if event.get("grown_s") is not None:
+                recovered += f"; a new group trained from {event['grown_s']:.2f} s after it"
         elif event["recovered_time"]:
             recovered = (
                 f"training again at world {event['recovered_world_size']} after {event['recovery_s']:.1f} s, "
