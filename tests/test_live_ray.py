@@ -138,3 +138,35 @@ def test_either_recovery_mode_resumes_the_others_checkpoint_at_another_world_siz
         (20, 2, "live"),
     ]  # each resumed from the step the other mode's checkpoint holds, none started over
     assert 'written by recovery="restart"' in summary["stderr"]
+
+
+def test_a_finished_live_run_leaves_no_actor_or_placement_group_behind(ray_local: None, tmp_path: Path) -> None:
+    """In the caller's own Ray instance (a script that runs several trainings, as the goodput benchmark does): after
+    a live fit with sharded groups (placement groups) every CPU is free again and every placement group removed;
+    the next training can start at once."""
+    import ray
+    from ray.util import placement_group_table
+    from ray_helpers import wait_for
+
+    from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
+    from raytrain.toy import adamw, block_mlp_factory, regression_dataset, squared_error
+    from raytrain.trainer import ElasticTrainer
+
+    total = ray.cluster_resources()["CPU"]
+    trainer = ElasticTrainer(
+        model_fn=block_mlp_factory(8, 16, 2),
+        loss_fn=squared_error,
+        optimizer_fn=adamw,
+        datasets={"train": regression_dataset(24 * 6, 8)},
+        batch=BatchConfig(global_batch=24, micro_batch=4),
+        lr=LRConfig(base_lr=1e-3),
+        loop=LoopConfig(max_steps=6, id_column="id", strategy="zero3"),
+        checkpoint=CheckpointConfig(storage_path=str(tmp_path), run_name="leak", every_steps=3),
+        cluster=ClusterConfig(min_workers=2, max_workers=4, recovery="live"),
+        parallel=ParallelConfig(dp_shard=2),
+        required_columns=("x", "y"),
+    )
+    result = trainer.fit()
+    assert result.metrics["step"] == 6
+    wait_for("every CPU free after the live run", lambda: ray.available_resources().get("CPU") == total, 30, 0.5)
+    assert all(pg["state"] == "REMOVED" for pg in placement_group_table().values())

@@ -1,24 +1,31 @@
-"""The driver of a live run (`ClusterConfig(recovery="live")`): a torchft lighthouse, one Ray actor per replica,
-a replacement for every replica lost, and the fallback to a restart when live mode cannot go on.
+"""The driver of a live run (`ClusterConfig(recovery="live")`): a torchft lighthouse, `dp_shard` Ray actors per
+replica group, a replacement for every group lost, a successor for every group on a drained node, and the fallback
+to a restart when live mode cannot go on.
 
-    lighthouse (driver process)         forms each step's quorum of the replicas alive
+    lighthouse (driver process)         forms each step's quorum of the replica groups alive
     LiveLog actor (driver's node)       writes metrics, samples, events, checkpoints (rank 0 of each step sends)
-    LiveWorker actors, one per replica  train; a lost one is replaced, the others never stop
+    LiveWorker actors, dp_shard a group train (a group of several on one node: a placement group); a lost group
+                                        is replaced, the others never stop
 
-What the driver does when a replica is lost (its actor dies: a SIGKILL, an OOM kill, its node gone): nothing to
-the others. Their collective of that step fails, the step is not committed, and the next quorum (the lighthouse
-drops the dead replica after its heartbeat timeout) redoes the step with the same samples split over the
-survivors. The driver starts a replacement, which heals from a peer (model, optimizer, step) and takes part from
-the next quorum on. Ray Train's controller is not involved: it would restart every worker.
+What the driver does when a worker is lost (its actor dies: a SIGKILL, an OOM kill, its node gone): it stops the
+rest of its group, nothing to the others. Their collective of that step fails, the step is not committed, and the
+next quorum (the lighthouse drops the dead group after its heartbeat timeout) redoes the step with the same samples
+split over the survivors. The driver starts a replacement group, which heals from a peer (model, optimizer, step:
+each rank its shard from the same rank of a healthy group) and takes part from the next quorum on. Ray Train's
+controller is not involved: it would restart every worker.
 
-The fallback: when no replica is left, or fewer than `min_workers` are alive and no replacement could be placed
+A drain (Ray's `DrainNode`: a spot notice, a scale-down; polled every `DRAIN_POLL_S`) is make before break: a
+group with a worker on the draining node gets a successor at once, and leaves at a step boundary (nothing trained
+again) once the successor trains, or `DRAIN_MARGIN_S` (or three steps) before the deadline when it cannot be placed.
+
+The fallback: when no group is left, or fewer than `min_workers` are alive and no replacement could be placed
 within `REPLACE_PATIENCE_S` (the node is gone, the cluster is full), the driver says why in one line, stops the
-replicas left, and starts a new group from the newest live checkpoint: the restart path, with the work since
-that checkpoint lost. If `min_workers` replicas cannot be placed within `START_TIMEOUT_S` then, the run stops
-with `TimeoutError`. Every replica lost and every fallback counts against `max_failures`; an exception from the
-user's code in a replica stops the run at once (a replica that dies while starting is counted as lost, with its
-cause in the log). Growth needs nothing special: a replica that could
-not be placed (up to `max_workers`) waits for room and joins live when a node arrives.
+groups left, and starts anew from the newest checkpoint (of either recovery mode: one format): the restart path,
+with the work since that checkpoint lost. If `min_workers` cannot be placed within `START_TIMEOUT_S` then, the run
+stops with `TimeoutError`. Every group lost and every fallback counts against `max_failures` (a drain does not); an
+exception from the user's code in a worker stops the run at once (a worker that dies while starting loses its
+group, counted, with its cause in the log). Growth needs nothing special: a group that could not be placed (up to
+`max_workers`) waits for room and joins live when a node arrives.
 """
 
 from __future__ import annotations
@@ -246,6 +253,7 @@ class LiveRun:
             if self._lighthouse is not None:
                 self._lighthouse.shutdown()
             ray.get(self._log.close.remote())
+            ray.kill(self._log, no_restart=True)
         newest = live_checkpoints(self.run_dir)
         self.result.checkpoint = newest[-1][1] if newest else None
         return self.result
@@ -385,8 +393,9 @@ class LiveRun:
                         continue
                     self.result.outcomes.append(outcome)
                     finished = True
-                    if not replica.running:
+                    if not replica.running:  # its actors and placement group go now, not when the driver exits
                         del self.replicas[replica.name]
+                        self._stop(replica)
                 except RayActorError:
                     self._lost(replica, replace=not finished, why="its process died")
                 except RayTaskError as err:
