@@ -1,7 +1,8 @@
-"""python benchmarks/goodput.py [--quick] [--only bare,restart,live,live_hsdp]
+"""python benchmarks/goodput.py [--quick] [--events kill|node] [--only bare,restart,live,live_hsdp]
 
-Goodput: the share of the wall time that trains, when a training process is SIGKILLed every 50 steps. One model and
-data set, four ways to recover, in one run:
+Goodput: the share of the wall time that trains, when a training process is SIGKILLed every 50 steps (`--events
+kill`, the default) or a node is lost every 50 steps (`--events node`). One model and data set, four ways to
+recover, in one run:
     bare      a hand-written Ray Train loop, the usual recipe: `TorchTrainer` with `FailureConfig(max_failures)`,
               DDP, a `torch.save` checkpoint of model and optimizer on rank 0 reported every 10 steps, resume
               from `ray.train.get_checkpoint()`; Ray Train restarts the worker group after a kill
@@ -19,6 +20,15 @@ steps, a checkpoint every 10 steps, one local Ray instance. The kills are the sa
 `raytrain.faults` (RAYTRAIN_FAULTS) makes rank 1, then 0, then 1 SIGKILL itself before the forward of steps 50, 100
 and 150; the bare loop calls the same fault points (live_hsdp: data ranks 1, 0, 1 of 4, both in the first group).
 
+`--events node`: the same, on a cluster of fake nodes (`raytrain.cli.demo.FakeCluster`: a head with 2 CPUs for the
+driver and Ray Data, and W = 2 worker nodes, each with one worker's slot, or two for live_hsdp so that a node holds
+one replica group). When rank 0 has recorded step 49, 99 and 149, the newest worker node is removed without
+notice (its raylet and every process on it killed: a spot reclaim) and a replacement node is started at once, as a
+warm pool or an autoscaler that already has one ready would (a cloud's start of a fresh VM, minutes, is not in
+it). The node's death is detected with `raytrain.ray_hooks.FAST_NODE_DEATH`, which the fake cluster and
+cluster.yaml both set (Ray's defaults take ~15-30 s); every other setting is the library's default
+(`resize_monitor_interval_s` 5 s). Keys carry `goodput_node_` where the kill run's carry `goodput_`.
+
 From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
 trained again after a restart is counted once, at the first time it finished):
     step s          the fault-free median step time: the median interval between steps 10 .. 40 (whole checkpoint
@@ -32,7 +42,8 @@ trained again after a restart is counted once, at the first time it finished):
     kill cost s     the wall time beyond the fault-free pace (checkpoints included), per kill:
                     ((t_n - t_5) - (n - 5) x step s / fault-free) / kills
 Keys: goodput_bare, goodput_restart, goodput_live, goodput_live_hsdp; goodput_fault_free_*, goodput_kill_cost_s_*,
-goodput_live_over_restart, goodput_live_hsdp_over_restart. One repetition per run
+goodput_live_over_restart, goodput_live_hsdp_over_restart (`--events node`: goodput_node_*,
+goodput_node_cost_s_*). One repetition per run
 (`run_all.py` runs it three times and reports min/median/max); the variants rotate their order per repetition.
 Timings depend on the machine's load (its load average is printed).
 """
@@ -45,10 +56,14 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from _common import first_rep, machine_line, median, print_headline, read_jsonl, start_ray, stop_ray, table
+
+from raytrain.rank0 import METRICS_FILE
 
 FEATURES, WIDTH, BLOCKS = 64, 1024, 2
 GLOBAL_BATCH, MICRO_BATCH, WORKERS = 1024, 128, 2
@@ -131,7 +146,64 @@ def bare_train_func(config: dict[str, Any]) -> None:
                 ray.train.report({"step": step}, checkpoint=checkpoint)
 
 
-def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str, Any]], int]:
+# ---------------------------------------------------------------- the events
+
+
+Fit = Callable[[], Any]
+
+
+def kills_only(fit: Fit, run_dir: str) -> tuple[Any, list[Any]]:
+    """`--events kill`: the run's own processes kill themselves (RAYTRAIN_FAULTS); just train."""
+    return fit(), []
+
+
+class NodeLoss:
+    """`--events node`: a fresh fake-node cluster per variant; `__call__` trains in a thread while the main thread
+    (Ray's `Cluster.add_node` must run there) follows rank 0's metrics.jsonl in `run_dir` and, at each event step,
+    removes the newest worker node without notice and starts a replacement (`raytrain.cli.demo.EventDriver`)."""
+
+    def __init__(self, steps: int, every: int, slots: int) -> None:
+        from raytrain.cli.demo import WORKER_SLOT, Event, FakeCluster
+        from raytrain.console import init_ray
+        from raytrain.trainer import apply_ray_env_defaults
+
+        apply_ray_env_defaults()
+        self.cluster = FakeCluster(WORKERS, head_cpus=2, slots=slots)
+        init_ray(address=self.cluster.address)
+        self.resources = {"CPU": 1.0, WORKER_SLOT: 1.0}  # workers on the worker nodes, never on the head
+        # once step s - 1 is recorded: the node goes during step s, the moment of the kill runs' SIGKILL (before
+        # step s's forward), not right after a checkpoint
+        self.events = [Event(kind, s - 1) for s in range(every, steps, every) for kind in ("remove", "add")]
+
+    def __call__(self, fit: Fit, run_dir: str) -> tuple[Any, list[Any]]:
+        from raytrain.cli.demo import EventDriver
+
+        driver = EventDriver(list(self.events), run_dir, self.cluster)
+        outcome: dict[str, Any] = {}
+
+        def train() -> None:
+            try:
+                outcome["result"] = fit()
+            except BaseException as err:  # re-raised below, in the main thread
+                outcome["error"] = err
+
+        training = threading.Thread(target=train, name="goodput-fit", daemon=True)
+        training.start()
+        driver.follow(training, timeout_s=3600)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"], driver.applied
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+def bare(
+    storage: str, name: str, steps: int, kills: str, resources: dict[str, float], events: Callable[[Fit, str], Any]
+) -> tuple[list[dict[str, Any]], int]:
     """One bare Ray Train run: rank 0's step records, and the steps trained again (each restart's steps since the
     checkpoint it resumed from, recorded again)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -139,13 +211,14 @@ def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str
 
     run_dir = os.path.join(storage, name)
     os.makedirs(run_dir)
-    marks = os.path.join(run_dir, "marks.jsonl")
-    TorchTrainer(
+    marks = os.path.join(run_dir, METRICS_FILE)
+    trainer = TorchTrainer(
         bare_train_func,
         train_loop_config={"marks": marks, "steps": steps, "faults": kills, "run_dir": run_dir},
-        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker={"CPU": 1}),
+        scaling_config=ScalingConfig(num_workers=WORKERS, resources_per_worker=resources),
         run_config=RunConfig(name=name, storage_path=storage, failure_config=FailureConfig(max_failures=10)),
-    ).fit()
+    )
+    events(trainer.fit, run_dir)
     records = read_jsonl(marks)
     return records, len(records) - len({r["step"] for r in records})
 
@@ -153,7 +226,15 @@ def bare(storage: str, name: str, steps: int, kills: str) -> tuple[list[dict[str
 # ---------------------------------------------------------------- raytrain
 
 
-def raytrain_run(storage: str, name: str, steps: int, kills: str, variant: str) -> tuple[list[dict[str, Any]], int]:
+def raytrain_run(
+    storage: str,
+    name: str,
+    steps: int,
+    kills: str,
+    variant: str,
+    resources: dict[str, float],
+    events: Callable[[Fit, str], Any],
+) -> tuple[list[dict[str, Any]], int]:
     """One ElasticTrainer run (`variant` "restart", "live" or "live_hsdp"): rank 0's metrics.jsonl (each step once),
     and the steps trained again (restart: from each kill's step back to the checkpoint the next group resumed from;
     live: the attempts the survivors redid after a kill, and a fallback's steps since its checkpoint, as the demo
@@ -178,11 +259,17 @@ def raytrain_run(storage: str, name: str, steps: int, kills: str, variant: str) 
                 epochs=None, max_steps=steps, seed=SEED, id_column="id", log_every=10**6, strategy=strategy
             ),
             checkpoint=CheckpointConfig(storage_path=storage, run_name=name, every_steps=EVERY, keep=2),
-            cluster=ClusterConfig(min_workers=shard, max_workers=WORKERS * shard, max_failures=10, recovery=recovery),
+            cluster=ClusterConfig(
+                min_workers=shard,
+                max_workers=WORKERS * shard,
+                resources_per_worker=resources,
+                max_failures=10,
+                recovery=recovery,
+            ),
             parallel=ParallelConfig(dp_shard=shard),
             required_columns=("x", "y"),
         )
-        result = trainer.fit()
+        result, applied = events(trainer.fit, trainer.spec.checkpoint.run_dir())
     finally:
         os.environ.pop("RAYTRAIN_FAULTS", None)
     metrics = read_jsonl(result.metrics_path)
@@ -190,6 +277,8 @@ def raytrain_run(storage: str, name: str, steps: int, kills: str, variant: str) 
         live = trainer.live_run.result
         redone = {step for outcome in live.outcomes for step in outcome.failed_steps}
         return metrics, len(redone) + sum(max(0, f["at_step"] - f["restored_step"]) for f in live.fallbacks)
+    if applied:  # node loss: from the step a node was removed at back to the checkpoint the next group resumed from
+        return metrics, sum(e.steps_lost or 0 for e in applied if e.kind == "remove")
     # a kill before step s's forward had finished s - 1 steps; the next group resumed at its checkpoint's step (the
     # old group's records since its last checkpoint died with it, so metrics.jsonl cannot show them)
     fired = read_jsonl(os.path.join(os.path.dirname(result.metrics_path), "faults_fired.jsonl"))
@@ -234,7 +323,10 @@ def goodput(records: list[dict[str, Any]], steps: int, first_kill: int) -> dict[
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="60 steps, one kill at step 30 (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="60 steps, one event at step 30 (a smoke run)")
+    parser.add_argument(
+        "--events", choices=("kill", "node"), default="kill", help="a worker SIGKILLed, or a node lost (and replaced)"
+    )
     parser.add_argument("--only", default=",".join(VARIANTS), help="variants to run (default: all four)")
     parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
     args = parser.parse_args()
@@ -243,20 +335,34 @@ def main() -> int:
     unknown = set(args.only.split(",")) - set(VARIANTS)
     if unknown or not variants:
         parser.error(f"--only takes some of {', '.join(VARIANTS)}, got {args.only!r}")
-    kills = kill_plan(steps, every)
+    node_loss = args.events == "node"
+    kills = "" if node_loss else kill_plan(steps, every)
+    count = len(range(every, steps, every))
+    prefix = "goodput_node_" if node_loss else "goodput_"
     shift = first_rep() % len(variants)
     order = variants[shift:] + variants[:shift]
     storage = args.storage or tempfile.mkdtemp(prefix="raytrain-goodput-")
     print(machine_line(), flush=True)
-    start_ray(num_cpus=WORKERS * HSDP_SHARD + 1)  # live_hsdp's 4 workers and Ray Data
+    if not node_loss:
+        start_ray(num_cpus=WORKERS * HSDP_SHARD + 1)  # live_hsdp's 4 workers and Ray Data
     found: dict[str, dict[str, Any]] = {}
     for variant in order:
+        shard = HSDP_SHARD if variant == "live_hsdp" else 1
+        events: Callable[[Fit, str], Any] = kills_only
+        resources = {"CPU": 1.0}
+        if node_loss:
+            events = NodeLoss(steps, every, slots=shard)  # a cluster of its own: a node holds one replica group
+            resources = events.resources
         began = time.perf_counter()
-        records, retrained = (
-            bare(storage, variant, steps, kills)
-            if variant == "bare"
-            else raytrain_run(storage, variant, steps, kills, variant)
-        )
+        try:
+            records, retrained = (
+                bare(storage, variant, steps, kills, resources, events)
+                if variant == "bare"
+                else raytrain_run(storage, variant, steps, kills, variant, resources, events)
+            )
+        finally:
+            if isinstance(events, NodeLoss):
+                events.close()
         found[variant] = {
             **goodput(records, steps, every),
             "retrained": retrained,
@@ -264,11 +370,16 @@ def main() -> int:
         }
         print(f"  done {variant}: {found[variant]}", flush=True)
     print(machine_line())
-    stop_ray()
-    count = len(kills.split(","))
+    if not node_loss:
+        stop_ray()
+    what = (
+        f"{count} node(s) lost at steps {', '.join(str(s) for s in range(every, steps, every))}, each replaced at once"
+        if node_loss
+        else f"{count} SIGKILL(s) ({kills})"
+    )
     print(
         f"\nGoodput: block_mlp({FEATURES}, {WIDTH}, {BLOCKS}), W = {WORKERS}, global batch {GLOBAL_BATCH}, {steps} "
-        f"steps, a checkpoint every {EVERY} steps, {count} SIGKILL(s) ({kills})"
+        f"steps, a checkpoint every {EVERY} steps, {what}"
     )
     print(
         table(
@@ -278,7 +389,7 @@ def main() -> int:
                 f"wall s (steps {SKIP}-{steps})",
                 "goodput",
                 f"fault-free (steps {EVERY}-{every - EVERY})",
-                "kill cost s",
+                "cost per event s",
                 "steps trained again",
             ],
             [
@@ -289,24 +400,32 @@ def main() -> int:
     )
     step_s = median([r["step_s"] for r in found.values()])
     print(
-        f"a kill every {every} steps = one every {every * step_s:.0f} s of training here (torchft reports 81 % at "
+        f"an event every {every} steps = one every {every * step_s:.0f} s of training here (torchft reports 81 % at "
         "one failure a minute on its own setup)"
     )
-    headline: dict[str, Any] = {f"goodput_{v}": round(r["goodput"], 4) for v, r in found.items()}
-    headline |= {f"goodput_fault_free_{v}": round(r["fault_free"], 4) for v, r in found.items()}
-    headline |= {f"goodput_kill_cost_s_{v}": round(r["beyond_pace_s"] / count, 2) for v, r in found.items()}
-    headline |= {f"goodput_step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
-    headline["goodput_kill_every_s"] = round(every * step_s, 1)
+    cost = "node_cost_s" if node_loss else "kill_cost_s"
+    headline: dict[str, Any] = {f"{prefix}{v}": round(r["goodput"], 4) for v, r in found.items()}
+    headline |= {f"{prefix}fault_free_{v}": round(r["fault_free"], 4) for v, r in found.items()}
+    headline |= {f"goodput_{cost}_{v}": round(r["beyond_pace_s"] / count, 2) for v, r in found.items()}
+    headline |= {f"{prefix}step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
+    headline |= {f"{prefix}retrained_{v}": r["retrained"] for v, r in found.items()}
+    headline[f"{prefix}event_every_s"] = round(every * step_s, 1)
     for live in ("live", "live_hsdp"):
         if live in found and "restart" in found:
             ratio = found[live]["goodput"] / found["restart"]["goodput"]
-            headline[f"goodput_{live}_over_restart"] = round(ratio, 3)
+            headline[f"{prefix}{live}_over_restart"] = round(ratio, 3)
     headline["settings"] = {
         "steps": steps,
-        "kills": kills,
+        "events": what,
+        **({} if node_loss else {"kills": kills}),
         "checkpoint_every_steps": EVERY,
         "workers": WORKERS,
         "live_hsdp": f"{WORKERS} replica groups of dp_shard={HSDP_SHARD} (zero3), W = {WORKERS * HSDP_SHARD}",
+        **(
+            {"node_death": "raytrain.ray_hooks.FAST_NODE_DEATH (as cluster.yaml)", "replacement": "started at once"}
+            if node_loss
+            else {}
+        ),
     }
     print_headline(headline)
     return 0

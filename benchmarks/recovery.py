@@ -16,11 +16,13 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     notice makes it ~110 s longer), and the whole cost beside a node lost without notice: the
                     time from the event back to the pre-event step plus nothing retrained, against node loss's
                     time back (which includes its retrained steps)
-    live            `--recovery live`, the kill run's cluster, two kills: seconds from each kill to the next
-                    committed step (`live_kill_pause_s`: the longer one), steps trained again, and against the
-                    same run without events: survivors' pids, the batch, the audit, the loss (issue 17); and the heal:
-                    from each kill to the first step committed at full size again, and the longest interval
-                    between committed steps until then
+    live            `--recovery live`, the kill run's cluster, two kills, then a node added: seconds from each
+                    kill to the next committed step (`live_kill_pause_s`: the longer one), steps trained again, and
+                    against the same run without events: survivors' pids, the batch, the audit, the loss (issue
+                    17); the heal: from each kill to the first step committed at its pre-kill size again, and the
+                    longest interval between committed steps until then; and the growth (`live_add_grown_s`): from
+                    the node's arrival to the first step committed at a larger world (a new replica group placed,
+                    built and healed from a peer while the others trained)
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
                     the start; `autoscale_grow_s` from fit() to the first step at 3 workers (nodes launched for
                     the trainer's demand), `replace_s` from a node reclaimed by the provider (no notice) to the
@@ -85,12 +87,12 @@ AUTOSCALE_RUN = [
     "8",
 ]
 # Live recovery: the same cluster and workers as the restart path's kill, two kills far enough apart for the first
-# replacement to join (it builds in seconds on this machine), and the same run without events as the reference.
-# 160 steps (~30 s): long enough after each kill for its replacement (~10 s to start here) to join, so that the
-# heal back to full size is measured.
-LIVE_RUN = ["--nodes", "3", "--workers", "2:3", "--steps", "160", "--sample-time", "0.01", "--checkpoint-every", "4"]
+# replacement to join (it builds in seconds on this machine), then a node added (room for a 4th replica group), and
+# the same run without events as the reference. 200 steps (~40 s): long enough after each event for a new group
+# (~10 s to start here) to join, so that the heal back to full size and the growth are measured.
+LIVE_RUN = ["--nodes", "3", "--workers", "2:4", "--steps", "200", "--sample-time", "0.01", "--checkpoint-every", "4"]
 LIVE_RUN += ["--recovery", "live", "--audit-samples"]
-LIVE_EVENTS = "kill@10,kill@90"
+LIVE_EVENTS = "kill@10,kill@90,add@120"
 MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
 LIBRARY_MONITOR_INTERVAL_S = 5.0  # ClusterConfig.resize_monitor_interval_s's default
 BARE_STEP_S, BARE_CHECKPOINT_EVERY = 0.08, 4  # the demo's per-rank compute at 8 samples x 0.01 s; its checkpoints
@@ -158,11 +160,12 @@ def live(storage: str) -> dict[str, Any]:
         [m["loss"] for m in metrics],
         [m["loss"] for m in read_jsonl(os.path.join(fixed["run_dir"], "metrics.jsonl"))],
     ]
-    full = max(m["world_size"] for m in metrics)
     heals = []
-    for event in killed["events"]:
+    kills = [e for e in killed["events"] if e["kind"] == "kill"]
+    for event in kills:
         after = [m for m in metrics if m["time"] > event["time"]]
-        healed = next((m for m in after if m["world_size"] == full), None)
+        full = [m["world_size"] for m in metrics if m["time"] <= event["time"]][-1]  # the size the kill cut
+        healed = next((m for m in after if m["world_size"] >= full), None)
         until = [event["time"]] + [m["time"] for m in after if healed is None or m["time"] <= healed["time"]]
         heals.append(
             {
@@ -180,7 +183,10 @@ def live(storage: str) -> dict[str, Any]:
     survivors = [r for r in info["finished"] if "." not in r["replica"] and r["replica"] not in lost]
     return {
         "world_sizes": killed["world_sizes"],
-        "pause_s": info["pause_s"],
+        "pause_s": [p for p, e in zip(info["pause_s"], killed["events"], strict=True) if e["kind"] == "kill"],
+        # a node added: from its arrival to the first step committed at a larger world (a group placed, built and
+        # healed from a peer while the others trained)
+        "grown_s": [e["grown_s"] for e in killed["events"] if e["kind"] == "add"],
         "steps_retrained": info["steps_retrained"],
         "restarts": info["restarts"],
         "survivors": survivors,
@@ -450,6 +456,8 @@ def live_headline(row: dict[str, Any]) -> dict[str, Any]:
         else max(round(h["to_full_s"], 2) for h in row["heals"]),
         "live_heal_longest_interval_s": max(round(h["longest_interval_s"] or 0.0, 2) for h in row["heals"]),
         "live_heals_completed": sum(h["to_full_s"] is not None for h in row["heals"]),
+        # a node added -> the first step a new replica group committed in (None: it never joined)
+        "live_add_grown_s": None if None in row["grown_s"] else max(round(g, 2) for g in row["grown_s"]),
     }
 
 
@@ -465,26 +473,26 @@ def live_goals(headline: dict[str, Any]) -> dict[str, bool]:
 
 
 def live_table(row: dict[str, Any], kill: dict[str, Any]) -> str:
-    """The restart path's kill beside live recovery's two kills."""
-    return table(
-        ["SIGKILL of a worker", "world", "seconds to the next step", "steps trained again", "survivors"],
+    """The restart path's kill beside live recovery's two kills, and the live run's growth."""
+    rows = [
         [
-            [
-                "restart path",
-                " -> ".join(str(w) for w in kill["world_sizes"]),
-                f"{kill['recovery_s']:.2f}",
-                kill["steps_lost"],
-                "restarted",
-            ],
-            [
-                "live, 2 kills",
-                " -> ".join(str(w) for w in row["world_sizes"]),
-                ", ".join(f"{p:.2f}" for p in row["pause_s"]),
-                row["steps_retrained"],
-                ", ".join(f"{r['replica']} pid {r['pid']}" for r in row["survivors"]) + " (never restarted)",
-            ],
+            "restart path",
+            " -> ".join(str(w) for w in kill["world_sizes"]),
+            f"{kill['recovery_s']:.2f}",
+            kill["steps_lost"],
+            "restarted",
         ],
-    )
+        [
+            "live, 2 kills",
+            " -> ".join(str(w) for w in row["world_sizes"]),
+            ", ".join(f"{p:.2f}" for p in row["pause_s"]),
+            row["steps_retrained"],
+            ", ".join(f"{r['replica']} pid {r['pid']}" for r in row["survivors"]) + " (never restarted)",
+        ],
+    ]
+    headers = ["SIGKILL of a worker", "world", "seconds to the next step", "steps trained again", "survivors"]
+    growth = ", ".join("never joined" if g is None else f"{g:.2f} s" for g in row["grown_s"])
+    return table(headers, rows) + f"\nlive, a node added -> the first step a new replica group committed in: {growth}"
 
 
 def live_only(storage: str) -> int:

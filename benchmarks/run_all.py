@@ -43,6 +43,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "recovery": ["recovery.py"],
     "recovery_live": ["recovery.py", "--live-only"],
     "goodput": ["goodput.py"],
+    "goodput_node": ["goodput.py", "--events", "node"],
 }
 GPU_BENCHMARKS: dict[str, list[str]] = {"gpu_check": ["gpu_check.py"], "gpu": ["gpu.py"]}
 

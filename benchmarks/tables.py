@@ -147,6 +147,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ),
     ("recovery_live", "live_kill_pause_s", "live recovery: kill → next committed step, s", None),
     ("recovery_live", "live_heal_s", "live recovery: kill → first step at full size again, s", None),
+    (
+        "recovery_live",
+        "live_add_grown_s",
+        "live recovery: a node added → first step a new replica group committed in, s",
+        None,
+    ),
     ("recovery_live", "live_loss_max_diff", "live recovery: loss vs the run without kills", ("<=", 1e-4)),
     ("goodput", "goodput_bare", "goodput, a SIGKILL every 50 steps: bare Ray Train, restart from its checkpoint", None),
     ("goodput", "goodput_restart", "goodput, the same kills: raytrain, recovery restart", None),
@@ -158,6 +164,20 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         (">=", 0.9),
     ),
     ("goodput", "goodput_live_hsdp_over_restart", "goodput: live (HSDP) ÷ restart", (">=", 1.5)),
+    (
+        "goodput_node",
+        "goodput_node_bare",
+        "goodput, a node lost every 50 steps (replaced at once): bare Ray Train",
+        None,
+    ),
+    ("goodput_node", "goodput_node_restart", "goodput, the same node losses: raytrain, recovery restart", None),
+    ("goodput_node", "goodput_node_live", "goodput, the same node losses: raytrain, recovery live (ddp)", None),
+    (
+        "goodput_node",
+        "goodput_node_live_hsdp",
+        "goodput, the same node losses: raytrain, recovery live (2 groups of dp_shard 2)",
+        None,
+    ),
 ]
 
 

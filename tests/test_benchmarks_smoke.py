@@ -142,15 +142,21 @@ def test_checkpoint_cost_quick() -> None:
 
 @pytest.mark.ray
 @pytest.mark.benchmark
-def test_goodput_quick() -> None:
-    """Bare Ray Train, raytrain restart, raytrain live and live with sharded groups, each killed once by the same
-    fault point, all reach the last step; the goodputs are fractions of the wall time."""
-    headline = run_benchmark("goodput.py")
+@pytest.mark.parametrize("events", ["kill", "node"])
+def test_goodput_quick(events: str) -> None:
+    """Bare Ray Train, raytrain restart, raytrain live and live with sharded groups, each hit once by the same
+    event (a fault point's SIGKILL, or the loss of a worker node, replaced at once), all reach the last step; the
+    goodputs are fractions of the wall time."""
+    headline = run_benchmark("goodput.py", "--quick", "--events", events)
+    prefix = "goodput_node_" if events == "node" else "goodput_"
     for variant in ("bare", "restart", "live", "live_hsdp"):
-        assert 0 < headline[f"goodput_{variant}"] <= 1.05, headline  # a median step: a fast interval may beat it
-        assert 0 < headline[f"goodput_fault_free_{variant}"] <= 1.05, headline
-        assert headline[f"goodput_step_s_{variant}"] > 0
-    assert headline["settings"]["kills"] == "1:30:forward"
+        assert 0 < headline[f"{prefix}{variant}"] <= 1.05, headline  # a median step: a fast interval may beat it
+        assert 0 < headline[f"{prefix}fault_free_{variant}"] <= 1.05, headline
+        assert headline[f"{prefix}step_s_{variant}"] > 0
+    if events == "kill":
+        assert headline["settings"]["kills"] == "1:30:forward"
+    else:  # the node went during step 30, after the checkpoint of step 20: the restart paths trained steps again
+        assert headline["goodput_node_retrained_bare"] > 0 and headline["goodput_node_retrained_restart"] > 0
 
 
 @pytest.mark.benchmark
