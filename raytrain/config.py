@@ -244,11 +244,12 @@ class ParallelConfig:
             submodule (attention, MLP), and a sequence length divisible by tp.
         device_memory_gb: memory of one worker's device in GB (1e9 bytes), for tp/pp "auto" (> 0).
         workers_per_node: workers one node holds (its GPUs), for tp/pp "auto": a TP group stays inside a node (>= 1).
-        dp_shard: workers per replica group in live recovery (`ClusterConfig(recovery="live")`, >= 1, default 1):
-            the group shards the model among itself (strategy zero2 or zero3: FSDP2 over the group) and torchft
-            replicates across groups (HSDP). The world is dp_replicate x dp_shard workers and grows and shrinks
-            by whole groups: min_workers and max_workers must be multiples of it; losing any worker of a group
-            loses the group, and the others finish the step with the same global batch. The restart path shards
+        dp_shard: data ranks per replica group in live recovery (`ClusterConfig(recovery="live")`, >= 1, default
+            1): the group shards the model among them (strategy zero2 or zero3: FSDP2 over the group) and torchft
+            replicates across groups (HSDP); with tp > 1 each data rank is tp workers splitting the layers. The
+            world is dp_replicate x dp_shard x tp workers and grows and shrinks by whole groups (one node each):
+            min_workers and max_workers must be multiples of dp_shard x tp; losing any worker of a group loses
+            the group, and the others finish the step with the same global batch. The restart path shards
             zero2/zero3 over every worker and takes dp_shard 1 only.
     """
 
@@ -436,9 +437,10 @@ class ClusterConfig:
         recovery: "restart" (default): Ray Train restarts the worker group from the last checkpoint after a
             failure or a resize. "live": each worker is a torchft replica group; when one dies the others finish
             the step among themselves with the same global batch and go on, never restarting, and a replacement
-            joins with a peer's weights (`raytrain.live`; needs the `live` extra, tp = pp = 1, ddp, fp32, CPU,
-            deterministic mode). Below min_workers with no room for a replacement it falls back to a restart
-            from its newest checkpoint, saying why.
+            joins with a peer's weights (`raytrain.live`; needs the `live` extra, pp = 1, fp32 or bf16, CPU,
+            deterministic mode; a group is `parallel.dp_shard` x `parallel.tp` workers of one node). Below
+            min_workers with no room for a replacement it falls back to a restart from its newest checkpoint,
+            saying why.
     """
 
     min_workers: int = 1
@@ -518,30 +520,37 @@ class TrainSpec:
 
 def check_live(spec: TrainSpec) -> None:
     """What `ClusterConfig(recovery="live")` runs, checked before any worker starts; `ConfigError` naming each
-    field otherwise: data parallel (tp = pp = 1) in replica groups of `parallel.dp_shard` workers (one: strategy
-    ddp or auto, run as ddp, each replica holding the whole model; more: zero2 or zero3 over the group, and
-    min_workers and max_workers multiples of dp_shard), fp32 or bf16, CPU workers (gloo), deterministic mode (the
-    step number gives the data position), a local or shared storage path."""
+    field otherwise: replica groups of `parallel.dp_shard` x `parallel.tp` workers (pp 1; a group with one data
+    rank: strategy ddp or auto, run as ddp, the group holding the whole model, split by tp when tp > 1; more:
+    zero2 or zero3 over the group's dp_shard data ranks), min_workers and max_workers multiples of the group,
+    fp32 or bf16, CPU workers (gloo), deterministic mode (the step number gives the data position), a local or
+    shared storage path."""
     problems = []
     shard = spec.parallel.dp_shard
-    if spec.parallel.degrees != (1, 1):
-        problems.append(f"parallel tp and pp must be 1, got tp={spec.parallel.tp}, pp={spec.parallel.pp}")
+    tp, pp = spec.parallel.degrees
+    group = shard * tp
+    if pp != 1:
+        problems.append(
+            f"parallel.pp must be 1 (a replica group is dp_shard x tp workers of one node; pipeline stages are not "
+            f"run live), got pp={pp}"
+        )
     if shard == 1 and spec.loop.strategy not in ("ddp", "auto"):
         problems.append(
-            f"loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica holds the whole model; "
-            f"set dp_shard > 1 to shard it within replica groups), got {spec.loop.strategy!r}"
+            f"loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica group holds the whole "
+            f"model; set dp_shard > 1 to shard it within replica groups), got {spec.loop.strategy!r}"
         )
     if shard > 1 and spec.loop.strategy not in ("zero2", "zero3"):
         problems.append(
             f"loop.strategy must be 'zero2' or 'zero3' with parallel.dp_shard={shard} (the group shards the model), "
             f"got {spec.loop.strategy!r}"
         )
+    size = f"parallel.dp_shard={shard}" if tp == 1 else f"parallel.dp_shard x tp = {shard} x {tp} = {group}"
     for name in ("min_workers", "max_workers"):
         value = getattr(spec.cluster, name)
-        if value % shard:
+        if value % group:
             problems.append(
-                f"cluster.{name}={value} must be a multiple of parallel.dp_shard={shard} (the world grows and "
-                f"shrinks by whole replica groups: e.g. {max(shard, value - value % shard)})"
+                f"cluster.{name}={value} must be a multiple of {size} (the world grows and shrinks by whole "
+                f"replica groups: e.g. {max(group, value - value % group)})"
             )
     if spec.parallel.precision not in ("fp32", "bf16"):
         problems.append(f"parallel.precision must be 'fp32' or 'bf16', got {spec.parallel.precision!r}")
@@ -556,7 +565,7 @@ def check_live(spec: TrainSpec) -> None:
         )
     if problems:
         raise ConfigError(
-            'ClusterConfig(recovery="live") runs data-parallel replicas only: '
+            'ClusterConfig(recovery="live") runs replica groups of dp_shard x tp workers: '
             + "; ".join(problems)
             + ' (or use recovery="restart")'
         )

@@ -818,16 +818,10 @@ class ElasticTrainer:
         """`fit` with `ClusterConfig(recovery="live")`: torchft replica groups as Ray actors (`raytrain.live`)."""
         from ray.train import Checkpoint
 
+        from raytrain.live import describe_groups
         from raytrain.live.driver import LiveRun
 
-        cluster, shard = job.spec.cluster, job.spec.parallel.dp_shard
-        groups = (
-            f"{cluster.max_workers} replica(s) as torchft replica groups (min {cluster.min_workers})"
-            if shard == 1
-            else f"{cluster.max_workers // shard} replica groups of dp_shard={shard} workers sharding the model with "
-            f"{job.spec.loop.strategy} (HSDP; min {cluster.min_workers // shard})"
-        )
-        say(f"live recovery: {groups}; a lost replica is replaced while the others go on")
+        say(f"live recovery: {describe_groups(job.spec)}; a lost replica is replaced while the others go on")
         self.live_run = LiveRun(job, run_dir)
         tail = RunLogTail(run_dir).start() if is_quiet() else None
         try:

@@ -55,12 +55,12 @@ def test_dry_run_names_the_recovery_mode_and_refuses_live_with_what_it_does_not_
     job = write(tmp_path, text.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
     result = run_cli("fit", job, "--dry-run", "--storage", str(tmp_path / "runs"), env=head)
     assert result.returncode == 0, result.stderr
-    assert "recovery: live (2 torchft replica groups, min 1; a lost worker's peers finish its step" in result.stdout
+    assert "recovery: live (2 torchft replica groups of one worker (min 1); a lost worker's peers" in result.stdout
     plain = run_cli("fit", EXAMPLE, "--dry-run", "--storage", str(tmp_path / "runs"), env=head)
     assert "recovery: restart (Ray Train restarts the worker group" in plain.stdout
     zero = run_cli("fit", job, "--dry-run", "--strategy", "zero2", "--storage", str(tmp_path / "runs"), env=head)
     assert zero.returncode == 2
-    assert "loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica holds the whole" in zero.stderr
+    assert "loop.strategy must be 'ddp' or 'auto' with parallel.dp_shard=1 (each replica group holds" in zero.stderr
     example = Path(EXAMPLE).read_text().replace('"fit_entry.py:', f'"{REPO}/examples/fit_entry.py:')
     with_val = write(tmp_path, example.replace("[cluster]\n", '[cluster]\nrecovery = "live"\n'))
     refused = run_cli("fit", with_val, "--dry-run", "--storage", str(tmp_path / "runs"), env=head)  # as a start does

@@ -9,8 +9,9 @@ zero3 in each group of two workers on one node) through a kill, a drain and a no
 restart, the groups not touched keep their processes, the drained group leaves at a step boundary. A kill of the
 only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest
 checkpoint (one line says why), and the curve is still the fixed-size one. One checkpoint format: a live run (HSDP)
-resumed in restart mode at another world size, then in live mode (plain replicas) again, trains every step once on
-the fixed-size curve.
+resumed in restart mode at another world size, then in live mode again with groups of two tensor-parallel workers
+(one group killed and replaced by a group that heals its tp shards from a peer), trains every step once on the
+fixed-size curve.
 """
 
 from __future__ import annotations
@@ -122,22 +123,32 @@ def test_either_recovery_mode_resumes_the_others_checkpoint_at_another_world_siz
 ) -> None:
     common = ("--events", "none", "--checkpoint-every", "5", "--sample-time", "0")
     live_hsdp = ("--recovery", "live", "--strategy", "zero3", "--dp-shard", "2", "--slots-per-node", "2")
+    # live, groups of two workers splitting each layer (tp 2), one group killed: the other goes on, a new group
+    # heals from it (each worker its tp shard) and joins; paced so that it joins before the end
+    live_tp = ("--recovery", "live", "--tp", "2", "--slots-per-node", "2", "--sample-time", "0.02")
     runs = [  # (steps, arguments): each resumes where the one before stopped
         (10, (*live_hsdp, "--nodes", "2", "--workers", "4")),
         (20, ("--nodes", "3", "--workers", "3")),  # restart mode, ddp
-        (30, ("--recovery", "live", "--nodes", "2", "--workers", "2")),  # live, one worker per replica
+        (60, (*live_tp, "--nodes", "2", "--workers", "2:4", "--events", "kill@25")),
     ]
     for steps, args in runs:
         summary = demo(tmp_path, "cross", *common, "--steps", str(steps), *args)
-    check_invariants(summary, 30)
+    check_invariants(summary, 60)
     assert_same_curve(summary, fixed_size_losses)
     starts = read_jsonl(str(Path(summary["run_dir"]) / "events.jsonl"))
     assert [(e["step"], e["world_size"], e.get("recovery", "restart")) for e in starts] == [
         (0, 4, "live"),
         (10, 3, "restart"),
-        (20, 2, "live"),
+        (20, 4, "live"),
     ]  # each resumed from the step the other mode's checkpoint holds, none started over
+    assert starts[-1]["layout"] == {"dp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
     assert 'written by recovery="restart"' in summary["stderr"]
+    live = summary["live"]  # the tp group killed: the other went on alone, a new group joined, no restart
+    assert live["restarts"] == 0 and len(live["lost"]) == 1, summary["stderr"][-3000:]
+    assert summary["world_sizes"][-3:] == [4, 2, 4], summary["world_sizes"]
+    joined = [r for r in read_jsonl(str(Path(summary["run_dir"]) / "live.jsonl")) if r["kind"] == "joined"]
+    assert joined and len(joined[-1]["pids"]) == 2
+    assert "tensor parallel over 2 ranks" in summary["stderr"]
 
 
 def test_a_finished_live_run_leaves_no_actor_or_placement_group_behind(ray_local: None, tmp_path: Path) -> None:

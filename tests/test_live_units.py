@@ -83,6 +83,9 @@ def test_live_mode_takes_data_parallel_deterministic_runs_in_whole_replica_group
     sharded = ClusterConfig(min_workers=2, max_workers=6, recovery="live")
     _spec(loop=LoopConfig(strategy="zero3"), parallel=ParallelConfig(dp_shard=2), cluster=sharded)
     _spec(loop=LoopConfig(strategy="zero2"), parallel=ParallelConfig(dp_shard=2, precision="bf16"), cluster=sharded)
+    _spec(parallel=ParallelConfig(tp=2), cluster=sharded)  # groups of 2 workers splitting the model (tp)
+    grouped = ClusterConfig(min_workers=4, max_workers=8, recovery="live")
+    _spec(loop=LoopConfig(strategy="zero3"), parallel=ParallelConfig(dp_shard=2, tp=2), cluster=grouped)
     with pytest.raises(ConfigError, match=r"parallel.dp_shard=2 sizes live recovery's replica groups: it needs"):
         _spec(parallel=ParallelConfig(dp_shard=2), cluster=ClusterConfig(min_workers=2, max_workers=2))
     with pytest.raises(ConfigError, match=r"dp_shard must be an integer >= 1, got 0"):
@@ -102,16 +105,21 @@ def test_live_mode_takes_data_parallel_deterministic_runs_in_whole_replica_group
             "parallel": ParallelConfig(dp_shard=2),
             "cluster": ClusterConfig(min_workers=2, max_workers=5, recovery="live"),
         },
-        "parallel tp and pp must be 1, got tp=2": {
-            "parallel": ParallelConfig(tp=2),
+        "parallel.pp must be 1 (a replica group is dp_shard x tp workers of one node": {
+            "parallel": ParallelConfig(pp=2),
             "cluster": ClusterConfig(min_workers=2, max_workers=2, recovery="live"),
+        },
+        "cluster.min_workers=2 must be a multiple of parallel.dp_shard x tp = 2 x 2 = 4": {
+            "loop": LoopConfig(strategy="zero3"),
+            "parallel": ParallelConfig(dp_shard=2, tp=2),
+            "cluster": ClusterConfig(min_workers=2, max_workers=8, recovery="live"),
         },
         "cluster.use_gpu must be False": {
             "cluster": ClusterConfig(min_workers=1, max_workers=2, use_gpu=True, recovery="live")
         },
     }
     for message, changes in cases.items():
-        with pytest.raises(ConfigError, match=r'ClusterConfig\(recovery="live"\) runs data-parallel') as err:
+        with pytest.raises(ConfigError, match=r'ClusterConfig\(recovery="live"\) runs replica groups of') as err:
             _spec(**changes)
         assert message in str(err.value) and 'or use recovery="restart"' in str(err.value)
 
@@ -127,8 +135,11 @@ def test_demo_refuses_live_with_what_live_mode_does_not_run() -> None:
         DemoOptions(recovery="live", strategy="zero3", dp_shard=2, min_workers=1, max_workers=4)
     with pytest.raises(ConfigError, match=r"--dp-shard 2 sizes live mode's replica groups: add --recovery live"):
         DemoOptions(dp_shard=2, strategy="zero3", min_workers=2, max_workers=4)
-    with pytest.raises(ConfigError, match=r"--tp 2 \(live mode runs 1\)"):
-        DemoOptions(recovery="live", tp=2, slots_per_node=2, min_workers=2, max_workers=2)
+    DemoOptions(recovery="live", tp=2, slots_per_node=2, min_workers=2, max_workers=4)  # groups of 2 tp workers
+    with pytest.raises(ConfigError, match=r"--pp 2 \(live mode runs 1\)"):
+        DemoOptions(recovery="live", pp=2, min_workers=2, max_workers=2)
+    with pytest.raises(ConfigError, match=r"--slots-per-node 2 \(a multiple of --dp-shard x --tp = 4: a replica"):
+        DemoOptions(recovery="live", tp=2, dp_shard=2, strategy="zero3", slots_per_node=2, min_workers=4, max_workers=4)
 
 
 def _metrics(step: int, world: int, loss: float = 1.0) -> dict[str, object]:

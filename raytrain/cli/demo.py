@@ -133,7 +133,6 @@ class DemoOptions:
             live_problems = [
                 f"{name} {value!r} (live mode runs {valid})"
                 for name, value, valid in (
-                    ("--tp", self.tp, 1),
                     ("--pp", self.pp, 1),
                     ("--deterministic", self.deterministic, True),
                     ("--autoscale", self.autoscale, False),
@@ -145,9 +144,15 @@ class DemoOptions:
                     f"--strategy {self.strategy!r} (live mode runs {' or '.join(strategies)} with --dp-shard "
                     f"{self.dp_shard})"
                 )
+            group = self.dp_shard * self.tp
+            size = f"--dp-shard {self.dp_shard}" if self.tp == 1 else f"--dp-shard x --tp = {group}"
             for name, value in (("--workers min", self.min_workers), ("--workers max", self.max_workers)):
-                if value % self.dp_shard:
-                    live_problems.append(f"{name} {value} (a multiple of --dp-shard {self.dp_shard}: whole groups)")
+                if value % group:
+                    live_problems.append(f"{name} {value} (a multiple of {size}: whole groups)")
+            if self.slots_per_node % group:
+                live_problems.append(
+                    f"--slots-per-node {self.slots_per_node} (a multiple of {size}: a replica group shares a node)"
+                )
             if live_problems:
                 raise ConfigError("--recovery live cannot run with " + ", ".join(live_problems))
             from raytrain.live import require_torchft

@@ -244,13 +244,11 @@ def describe_plan(job: FitJob) -> str:
     decided = " (chosen on the workers from their memory at every start)" if spec.loop.strategy == "auto" else ""
     lines.append(f"strategy: {spec.loop.strategy}{decided}")
     if spec.cluster.recovery == "live":
-        shard = spec.parallel.dp_shard
-        groups = f"{spec.cluster.max_workers // shard} torchft replica groups, min {spec.cluster.min_workers // shard}"
-        if shard > 1:
-            groups += f", of dp_shard={shard} workers sharding the model with {spec.loop.strategy} (HSDP)"
+        from raytrain.live import describe_groups
+
         lines.append(
-            f"recovery: live ({groups}; a lost worker's peers finish its step with the same global batch and go on, "
-            "a replacement heals from a peer)"
+            f"recovery: live ({describe_groups(spec)}; a lost worker's peers finish its step with the same global "
+            "batch and go on, a replacement heals from a peer)"
         )
     else:
         lines.append("recovery: restart (Ray Train restarts the worker group from the latest checkpoint)")

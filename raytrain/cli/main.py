@@ -269,7 +269,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         help="tensor-parallel degree: the MLP's layers split over tp workers of one node; the world grows and "
-        "shrinks in whole replicas of tp workers (default %(default)s)",
+        "shrinks in whole replicas of tp workers (with --recovery live: inside each replica group; default "
+        "%(default)s)",
     )
     p.add_argument(
         "--pp",
@@ -307,8 +308,8 @@ def _add_demo_parser(subparsers: argparse._SubParsersAction) -> None:
         "--dp-shard",
         type=int,
         default=1,
-        help="with --recovery live: workers per replica group, sharding the model with --strategy zero2/zero3 "
-        "(HSDP; the world grows and shrinks by whole groups; default %(default)s)",
+        help="with --recovery live: data ranks per replica group, sharding the model with --strategy zero2/zero3 "
+        "(HSDP; with --tp each is tp workers; the world grows and shrinks by whole groups; default %(default)s)",
     )
     p.add_argument("--checkpoint-every", type=int, default=5, help="steps between checkpoints (default %(default)s)")
     p.add_argument(

@@ -7,7 +7,32 @@ with the same global batch and go on without restarting; a replacement joins wit
     driver.py    the lighthouse, the replicas, replacements, and the fallback to a restart
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from raytrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raytrain.config import TrainSpec
+
+
+def describe_groups(spec: TrainSpec) -> str:
+    """Pure: a live run's replica groups in words, for the driver's start line and `raytrain fit --dry-run`: how
+    many (at most, and at least), and their workers when a group has several (dp_shard sharding the model, tp
+    splitting its layers)."""
+    shard, tp = spec.parallel.dp_shard, spec.parallel.degrees[0]
+    group = shard * tp
+    most, least = spec.cluster.max_workers // group, spec.cluster.min_workers // group
+    if group == 1:
+        return f"{most} torchft replica groups of one worker (min {least})"
+    parts = []
+    if shard > 1:
+        parts.append(f"dp_shard={shard} sharding the model with {spec.loop.strategy}")
+    if tp > 1:
+        parts.append(f"tp={tp} splitting its layers")
+    kind = " (HSDP)" if shard > 1 else ""
+    return f"{most} torchft replica groups of {group} workers: {' x '.join(parts)}{kind} (min {least})"
 
 
 def require_torchft() -> None:

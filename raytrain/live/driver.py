@@ -1,10 +1,10 @@
-"""The driver of a live run (`ClusterConfig(recovery="live")`): a torchft lighthouse, `dp_shard` Ray actors per
+"""The driver of a live run (`ClusterConfig(recovery="live")`): a torchft lighthouse, dp_shard x tp Ray actors per
 replica group, a replacement for every group lost, a successor for every group on a drained node, and the fallback
 to a restart when live mode cannot go on.
 
     lighthouse (driver process)         forms each step's quorum of the replica groups alive
     LiveLog actor (driver's node)       writes metrics, samples, events, checkpoints (rank 0 of each step sends)
-    LiveWorker actors, dp_shard a group train (a group of several on one node: a placement group); a lost group
+    LiveWorker actors, dp_shard x tp a group, train (a group of several on one node: a placement group); a lost group
                                         is replaced, the others never stop
 
 What the driver does when a worker is lost (its actor dies: a SIGKILL, an OOM kill, its node gone): it stops the
@@ -54,7 +54,7 @@ DRAIN_NO_DEADLINE_S = 30.0  # a drain without a deadline: leave within this long
 
 @dataclass
 class _Replica:
-    """A replica group's actors (one per rank: `dp_shard` of them) and where it stands: `ready` (each rank's
+    """A replica group's actors (one per rank: dp_shard x tp of them) and where it stands: `ready` (each rank's
     `build`) until built, then `running` (each rank's `run`)."""
 
     index: int
@@ -123,8 +123,10 @@ class LiveRun:
     def __init__(self, job: WorkerJob, run_dir: str) -> None:
         self.job, self.run_dir = job, run_dir
         cluster = job.spec.cluster
-        self.dp_shard = job.spec.parallel.dp_shard  # workers per replica group
-        self.min, self.max = cluster.min_workers // self.dp_shard, cluster.max_workers // self.dp_shard  # groups
+        parallel = job.spec.parallel
+        self.dp_shard, self.tp = parallel.dp_shard, parallel.degrees[0]
+        self.group_size = self.dp_shard * self.tp  # workers per replica group
+        self.min, self.max = cluster.min_workers // self.group_size, cluster.max_workers // self.group_size  # groups
         self.replicas: dict[str, _Replica] = {}  # by name: a drained group and its successor run side by side
         self.result = LiveResult([])
         self._lighthouse: Any = None
@@ -133,6 +135,10 @@ class LiveRun:
         self._group = 0  # groups of replicas started: 1 at the start, one more per fallback
         self._failures = 0  # replicas lost and fallbacks, counted against max_failures
         self._generations: dict[int, int] = {}  # replicas started per index: names r1, r1.1, r1.2, ...
+
+    def _group_words(self) -> str:
+        """A replica group's size in words: "dp_shard=2" or "dp_shard=2 x tp=2"."""
+        return f"dp_shard={self.dp_shard}" + (f" x tp={self.tp}" if self.tp > 1 else "")
 
     # -- the actors ---------------------------------------------------------------------------------------------
 
@@ -151,12 +157,12 @@ class LiveRun:
         self._generations[index] = generation + 1
         replica_id = f"r{index}" if generation == 0 else f"r{index}.{generation}"
         placement = None
-        if self.dp_shard > 1:  # the group's collectives run in every layer: its workers share a node
+        if self.group_size > 1:  # the group's collectives run in every layer: its workers share a node
             from ray.util.placement_group import placement_group
 
-            placement = placement_group([{"CPU": cpus, **resources}] * self.dp_shard, strategy="STRICT_PACK")
+            placement = placement_group([{"CPU": cpus, **resources}] * self.group_size, strategy="STRICT_PACK")
         actors = []
-        for rank in range(self.dp_shard):
+        for rank in range(self.group_size):
             settings = LiveSettings(
                 lighthouse=self._lighthouse.address(),
                 replica_id=replica_id,
@@ -164,6 +170,7 @@ class LiveRun:
                 floor=floor,
                 shard_rank=rank,
                 dp_shard=self.dp_shard,
+                tp=self.tp,
             )
             actors.append(
                 ray.remote(LiveWorker)
@@ -297,12 +304,12 @@ class LiveRun:
         from raytrain.batch_plan import plan_batch
 
         spec = self.job.spec
-        world = len(ready) * self.dp_shard
-        plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, world)
+        dp = len(ready) * self.dp_shard  # data ranks
+        plan = plan_batch(spec.batch.global_batch, spec.batch.micro_batch, dp)
         event = {
             "step": restored,
-            "world_size": world,
-            "layout": {"dp": world, "dp_replicate": len(ready), "dp_shard": self.dp_shard, "tp": 1, "pp": 1},
+            "world_size": dp * self.tp,
+            "layout": {"dp": dp, "dp_replicate": len(ready), "dp_shard": self.dp_shard, "tp": self.tp, "pp": 1},
             "plan": plan.to_dict(),
             "lr": spec.lr.peak_lr(spec.batch.global_batch),
             "strategy": spec.loop.strategy if self.dp_shard > 1 else "ddp",
@@ -346,8 +353,8 @@ class LiveRun:
         if settled < self.min:
             self._stop_all()
             raise TimeoutError(
-                f"live mode: only {settled} of min_workers={self.min * self.dp_shard} workers ({self.min} replica "
-                f"group(s) of dp_shard={self.dp_shard}) could be placed and built within {START_TIMEOUT_S:.0f} s "
+                f"live mode: only {settled} of min_workers={self.min * self.group_size} workers ({self.min} replica "
+                f"group(s) of {self._group_words()}) could be placed and built within {START_TIMEOUT_S:.0f} s "
                 f"(resources_per_worker={self.job.spec.cluster.resources_per_worker})"
             )
         grace = time.monotonic() + 1.0  # the others that are about ready start with them
@@ -414,8 +421,8 @@ class LiveRun:
             elif time.monotonic() - below_since > REPLACE_PATIENCE_S:
                 return self._fall_back(
                     alive,
-                    f"{alive} replica group(s) alive, below min_workers={self.min * self.dp_shard} "
-                    f"({self.min} group(s) of dp_shard={self.dp_shard}), and no replacement could be placed "
+                    f"{alive} replica group(s) alive, below min_workers={self.min * self.group_size} "
+                    f"({self.min} group(s) of {self._group_words()}), and no replacement could be placed "
                     f"within {REPLACE_PATIENCE_S:.0f} s",
                 )
 

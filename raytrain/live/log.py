@@ -137,6 +137,7 @@ class LiveLog:
         self.pending: dict[int, tuple[dict[str, Any], list[int] | None]] = {}  # steps waiting for an earlier one
         self.plan: dict[str, Any] | None = None
         self.lr: float | None = None
+        self.tp = 1
 
     def begin(self, group: int, restored_step: int, event: dict[str, Any], total_steps: int) -> None:
         """Group `group`'s (re)start of the live run: trim what came after `restored_step`, append `event` to
@@ -145,6 +146,7 @@ class LiveLog:
         self.group, self.pending = group, {}
         self.last, self.plan = restored_step, event["plan"]
         self.lr = event["lr"]
+        self.tp = event.get("layout", {}).get("tp", 1)  # workers per data rank: a step's world is dp x tp
         self.log.total_steps = total_steps
         self.log.start(restored_step=restored_step, event=event)
 
@@ -174,14 +176,15 @@ class LiveLog:
     def _write(self, metrics: dict[str, Any], ids: list[int] | None) -> None:
         self.last = metrics["step"]
         self.times = [*self.times[-9:], metrics["time"]]
-        plan = {
-            "world_size": metrics["world_size"],
+        plan = {  # the step's batch plan, over its data ranks
+            "world_size": len(metrics["per_rank_samples"]),
             "accumulation_steps": metrics["accumulation_steps"],
             "per_rank_samples": metrics["per_rank_samples"],
             "global_batch": metrics["global_batch_size"],
         }
         if self.plan is not None and plan["world_size"] != self.plan["world_size"]:
-            line = resize_line(self.plan, plan, metrics["lr"], self.lr)
+            layout = {"dp": plan["world_size"], "tp": self.tp, "pp": 1}
+            line = resize_line(self.plan, plan, metrics["lr"], self.lr, layout)
             self.log.print(f"live: step {metrics['step']}: {line} (no restart)")
         self.plan, self.lr = plan, metrics["lr"]
         self.log.step(metrics, ids)

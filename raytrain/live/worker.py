@@ -46,7 +46,13 @@ class LiveSettings:
     timeout_s: float = 10.0
     quorum_timeout_s: float = 60.0
     shard_rank: int = 0  # this worker's rank in its replica group
-    dp_shard: int = 1  # workers per replica group (they shard the model: zero2/zero3)
+    dp_shard: int = 1  # data ranks per replica group (they shard the model: zero2/zero3)
+    tp: int = 1  # tensor-parallel workers per data rank (they split each block's linear layers)
+
+    @property
+    def group_size(self) -> int:
+        """Workers per replica group: dp_shard x tp."""
+        return self.dp_shard * self.tp
 
 
 @dataclass
@@ -65,7 +71,7 @@ class LiveOutcome:
 
 
 class LiveWorker:
-    """One worker of a live replica group (rank `settings.shard_rank` of `settings.dp_shard`). Built by the driver
+    """One worker of a live replica group (rank `settings.shard_rank` of `settings.group_size`). Built by the driver
     as a Ray actor: `address` (rank 0 serves the group's TCP store), then `build` on every rank of the group (its
     process group, the model sharded over it, torchft's manager; `restore`, a checkpoint directory of either
     recovery mode, is loaded
@@ -98,7 +104,12 @@ class LiveWorker:
             import ray
 
             self._host = ray.util.get_node_ip_address()
-            self._store = TCPStore(self._host, free_port(""), settings.dp_shard, is_master=True, wait_for_workers=False)
+            self._store = TCPStore(
+                self._host, free_port(""), settings.group_size, is_master=True, wait_for_workers=False
+            )
+        # the group's layout, dp_shard data ranks x tp (TP innermost: ranks 2k and 2k + 1 split data rank k at tp 2)
+        self.dims = ParallelDims.of(settings.group_size, settings.tp, 1)
+        self._coords = self.dims.coords(settings.shard_rank)
         self._leaving = False  # set by `leave` (another thread of this actor): stop at the next step boundary
         # this worker's data rank in the latest quorum; until the first, only the first group's rank 0 logs
         self._rank = 0 if (settings.shard_rank, settings.replica_id) == (0, "r0") else -1
@@ -109,10 +120,11 @@ class LiveWorker:
         return self._host, int(self._store.port)
 
     def build(self, store: tuple[str, int]) -> tuple[int, str, int]:
-        """Join the group (a collective over its `dp_shard` workers: `store` is rank 0's `address()`), build the
-        model as the restart path builds it (`apply_parallelism`: zero2/zero3 over the group, each rank
-        materializing its shard), the optimizer, torchft's manager and the step source. Returns this worker's pid,
-        its Ray node id and the run's length in optimizer steps (the data size, epochs and max_steps give it)."""
+        """Join the group (a collective over its dp_shard x tp workers: `store` is rank 0's `address()`), build the
+        model as the restart path builds it (`apply_parallelism` over the group's mesh: tp splits each block's
+        linear layers, zero2/zero3 shards over dp_shard, each rank materializing its shard), the optimizer,
+        torchft's manager and the step source. Returns this worker's pid, its Ray node id and the run's length in
+        optimizer steps (the data size, epochs and max_steps give it)."""
         from datetime import timedelta
 
         import ray
@@ -126,9 +138,10 @@ class LiveWorker:
         from raytrain.optim import build_optimizer
         from raytrain.parallel.apply import apply_parallelism, step_policy
         from raytrain.parallel.strategy import resolve_layout
+        from raytrain.parallel.tensor import plan_of
 
         job, settings, spec = self.job, self.settings, self.job.spec
-        size, rank = settings.dp_shard, settings.shard_rank
+        size, rank = settings.group_size, settings.shard_rank
         host, port = store
         if size > 1:
             client = dist.TCPStore(
@@ -142,15 +155,18 @@ class LiveWorker:
                 timeout=timedelta(seconds=settings.quorum_timeout_s),
             )
         cpu = torch.device("cpu")
+        dims, coords = self.dims, self._coords
+        mesh = dims.build_mesh(cpu.type) if dims.model_parallel else None
+        self._dp_group = mesh["dp"].get_group() if mesh is not None else None
         model, trace = build_model(job)
-        strategy = spec.loop.strategy if size > 1 else "ddp"  # one worker per group holds the whole model
+        strategy = spec.loop.strategy if dims.dp > 1 else "ddp"  # one data rank per group holds the whole model
         parallel = spec.parallel
-        least = split_step(self.global_batch, spec.batch.micro_batch, max(1, spec.cluster.min_workers))
+        least = split_step(self.global_batch, spec.batch.micro_batch, max(1, spec.cluster.min_workers // settings.tp))
         layout = resolve_layout(
             strategy,
             parallel.grad_accumulation,
             model,
-            world_size=size,
+            world_size=dims.dp,
             accumulation_steps=least.accumulation_steps,  # the most a step accumulates: at min_workers
             precision=parallel.precision,
             device=cpu,
@@ -163,7 +179,10 @@ class LiveWorker:
             model,
             layout.strategy,
             cpu,
-            size,
+            dims,
+            mesh=mesh,
+            tp_plan=plan_of(model, job.tp_plan_fn) if dims.tp > 1 else None,
+            sequence_parallel=parallel.sequence_parallel,
             init=trace,
             seed=spec.loop.seed,
             pretrained=job.pretrained if self._restore is None else None,
@@ -173,7 +192,15 @@ class LiveWorker:
             units_fn=job.units_fn,
             log=self._note,
         )
-        self.policy = step_policy(layout.strategy, size, parallel.precision, layout.grad_accumulation)
+        self.policy = step_policy(
+            layout.strategy,
+            dims,
+            parallel.precision,
+            layout.grad_accumulation,
+            mesh,
+            coords,
+            sequence_parallel=parallel.sequence_parallel,
+        )
         self.optimizer = build_optimizer(
             self.model, job.optimizer_fn, spec.lr.peak_lr(self.global_batch), layout.strategy
         )
@@ -218,7 +245,7 @@ class LiveWorker:
     def _leave_now(self) -> bool:
         """Whether the group leaves before its next quorum: any of its ranks was asked (agreed over the group, so
         every rank stops at the same boundary)."""
-        if self.settings.dp_shard == 1:
+        if self.settings.group_size == 1:
             return self._leaving
         import torch.distributed as dist
 
@@ -229,7 +256,7 @@ class LiveWorker:
     def _note(self, line: str) -> None:
         """A line for the run's log (the step source's data-prefetch decision, the layout), from data rank 0 of
         the latest quorum only (each worker decides alike: the others' lines would repeat it)."""
-        if self._rank == 0:
+        if self._rank == 0 and self._coords.tp == 0:
             self.log.note.remote(line)
 
     def _full_plan(self, ranks: int) -> BatchPlan:
@@ -250,7 +277,7 @@ class LiveWorker:
         from raytrain.live.replica import LiveReplicaLost, live_share
         from raytrain.step import train_step
 
-        spec, size = self.job.spec, self.settings.dp_shard
+        spec, size = self.job.spec, self.dims.dp  # data ranks per group
         outcome = LiveOutcome(self.settings.replica_id, os.getpid())
         try:
             while True:
@@ -268,7 +295,7 @@ class LiveWorker:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
                 ranks = quorum.participants * size  # every group's workers split the step
-                self._rank = quorum.rank * size + self.settings.shard_rank
+                self._rank = quorum.rank * size + self._coords.dp  # its tp peers read the same samples
                 self.steps.set_share(self._full_plan(ranks), self._rank)
                 data = self.steps.next_step(epoch, sample_in_epoch)
                 assert data is not None, f"step {step + 1} is within the run: its epoch has it"
@@ -319,10 +346,10 @@ class LiveWorker:
             return None  # decided alike on every replica: all take part in the all-reduce, or none
         ids = torch.zeros(share.plan.global_batch, dtype=torch.int64)
         ids[share.offset : share.offset + share.count] = torch.from_numpy(np.asarray(mine, dtype=np.int64))
-        if self.settings.dp_shard > 1:
+        if self.dims.dp > 1:  # over the group's data ranks (its tp peers hold the same slice)
             import torch.distributed as dist
 
-            dist.all_reduce(ids)
+            dist.all_reduce(ids, group=self._dp_group)
         return ids
 
     def _record(
@@ -350,7 +377,7 @@ class LiveWorker:
             metrics: dict[str, Any] = {
                 "step": done,
                 "epoch": epoch,
-                "world_size": share.participants,
+                "world_size": share.participants * self.settings.tp,  # workers, as the restart path counts them
                 "accumulation_steps": share.plan.accumulation_steps,
                 "per_rank_samples": list(share.plan.per_rank_samples),
                 "global_batch_size": share.plan.global_batch,
@@ -373,7 +400,7 @@ class LiveWorker:
                     "epoch": epoch,
                     "sample_in_epoch": sample_in_epoch + share.plan.global_batch,
                     "samples_seen": epoch * epoch_samples + sample_in_epoch + share.plan.global_batch,
-                    "world_size": share.participants,
+                    "world_size": share.participants * self.settings.tp,  # workers, as the restart path counts them
                     "global_batch": self.global_batch,
                     "base_batch": self.base_batch,
                     "peak_lr": self.peak_lr,
