@@ -173,8 +173,8 @@ def live(storage: str) -> dict[str, Any]:
                 "longest_interval_s": max(b - a for a, b in itertools.pairwise(until)) if len(until) > 1 else None,
             }
         )
-    launched = {
-        r["replica"]: r["pid"]
+    launched = {  # each replica group's worker pids, as started
+        r["replica"]: r["pids"]
         for r in read_jsonl(os.path.join(killed["run_dir"], "live.jsonl"))
         if r["kind"] in ("started", "joined")
     }
@@ -190,7 +190,7 @@ def live(storage: str) -> dict[str, Any]:
         "steps_retrained": info["steps_retrained"],
         "restarts": info["restarts"],
         "survivors": survivors,
-        "survivor_pids_unchanged": bool(survivors) and all(r["pid"] == launched[r["replica"]] for r in survivors),
+        "survivor_pids_unchanged": bool(survivors) and all(r["pid"] in launched[r["replica"]] for r in survivors),
         "batch_exact": killed["global_batch_sizes"] == [24] and len(curves[0]) == len(curves[1]),
         "audit_clean": all(c == {"duplicates": 0, "missing": 0} for c in killed["audit"].values()),
         "loss_max_diff": max(abs(a - b) for a, b in zip(*curves, strict=True)),
