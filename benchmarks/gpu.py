@@ -232,7 +232,7 @@ def wrap(model: nn.Module, strategy: str, device: torch.device, world: int) -> n
 def run_strategy(strategy: str, rank: int, world: int, device: torch.device, args: dict[str, Any]) -> dict[str, Any]:
     # raytrain is imported here, not at the top, so that the "no CUDA" answer needs nothing beyond torch.
     from raytrain.optim import build_optimizer
-    from raytrain.worker_loop import train_step
+    from raytrain.step import train_step
 
     c = GPTConfig(**args["gpt"])
     model = build_gpt(c)

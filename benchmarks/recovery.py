@@ -16,11 +16,13 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     notice makes it ~110 s longer), and the whole cost beside a node lost without notice: the
                     time from the event back to the pre-event step plus nothing retrained, against node loss's
                     time back (which includes its retrained steps)
-    live            `--recovery live`, the kill run's cluster, two kills, then a node added: seconds from each
-                    kill to the next committed step (`live_kill_pause_s`: the longer one), steps trained again, and
-                    against the same run without events: survivors' pids, the batch, the audit, the loss (issue
-                    17); the heal: from each kill to the first step committed at its pre-kill size again, and the
-                    longest interval between committed steps until then; and the growth (`live_add_grown_s`): from
+    live            `--recovery live`, the kill run's cluster, two kills, then a node added: each kill's pause,
+                    the longest interval between committed steps from the kill to the first step at the smaller
+                    size (`live_kill_pause_s`: the longer one; a step the killed group had joined may commit just
+                    after the kill), steps trained again, and against the same run without events: survivors'
+                    pids, the batch, the audit, the loss (issue 17); the heal: from each kill to the first step
+                    committed at its pre-kill size again after the drop, and the longest interval between committed
+                    steps until then; and the growth (`live_add_grown_s`): from
                     the node's arrival to the first step committed at a larger world (a new replica group placed,
                     built and healed from a peer while the others trained)
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
@@ -149,10 +151,39 @@ def node_death_wait(run_dir: str) -> float | None:
     return sum(waits) if waits else None
 
 
+def kill_timeline(metrics: list[dict[str, Any]], kill_time: float) -> dict[str, float | None]:
+    """Pure: a live kill's timeline from the run's committed steps ({"step", "time", "world_size"}): `pause_s`,
+    the longest interval between committed steps (the kill's time a boundary) until the first step committed at
+    the smaller size (a step the killed group had already contributed to may still commit at the old size just
+    after the kill: the survivors' stall comes after it); `to_full_s`, from the kill to the first step at the
+    pre-kill size again after that drop (the heal); `longest_interval_s`, the longest interval until then. None
+    where the run never got there."""
+    full = [m["world_size"] for m in metrics if m["time"] <= kill_time][-1]  # the size the kill cut
+    after = [m for m in metrics if m["time"] > kill_time]
+    dropped = next((m for m in after if m["world_size"] < full), None)
+    healed = (
+        None
+        if dropped is None
+        else next((m for m in after if m["time"] > dropped["time"] and m["world_size"] >= full), None)
+    )
+
+    def longest(until: dict[str, Any] | None) -> float | None:
+        if until is None:
+            return None
+        times = [kill_time] + [m["time"] for m in after if m["time"] <= until["time"]]
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    return {
+        "pause_s": longest(dropped),
+        "to_full_s": None if healed is None else healed["time"] - kill_time,
+        "longest_interval_s": longest(healed),
+    }
+
+
 def live(storage: str) -> dict[str, Any]:
-    """`raytrain demo --recovery live` with two kills beside the same run without events: each kill's pause (from
-    the kill to the next committed step, the measure of a restart's `recovery_s`), the steps trained again, and
-    the done-when checks: survivors' pids, the batch of every step, the audit, the loss against the fixed run."""
+    """`raytrain demo --recovery live` with two kills and a node added, beside the same run without events: each
+    kill's timeline (`kill_timeline`), the node's growth, the steps trained again, and the done-when checks:
+    survivors' pids, the batch of every step, the audit, the loss against the fixed run."""
     killed = demo("live", storage, [*LIVE_RUN, "--events", LIVE_EVENTS])
     fixed = demo("live_fixed", storage, [*LIVE_RUN, "--events", "none"])
     metrics = read_jsonl(os.path.join(killed["run_dir"], "metrics.jsonl"))
@@ -160,19 +191,7 @@ def live(storage: str) -> dict[str, Any]:
         [m["loss"] for m in metrics],
         [m["loss"] for m in read_jsonl(os.path.join(fixed["run_dir"], "metrics.jsonl"))],
     ]
-    heals = []
-    kills = [e for e in killed["events"] if e["kind"] == "kill"]
-    for event in kills:
-        after = [m for m in metrics if m["time"] > event["time"]]
-        full = [m["world_size"] for m in metrics if m["time"] <= event["time"]][-1]  # the size the kill cut
-        healed = next((m for m in after if m["world_size"] >= full), None)
-        until = [event["time"]] + [m["time"] for m in after if healed is None or m["time"] <= healed["time"]]
-        heals.append(
-            {
-                "to_full_s": None if healed is None else healed["time"] - event["time"],
-                "longest_interval_s": max(b - a for a, b in itertools.pairwise(until)) if len(until) > 1 else None,
-            }
-        )
+    heals = [kill_timeline(metrics, e["time"]) for e in killed["events"] if e["kind"] == "kill"]
     launched = {  # each replica group's worker pids, as started
         r["replica"]: r["pids"]
         for r in read_jsonl(os.path.join(killed["run_dir"], "live.jsonl"))
@@ -183,7 +202,7 @@ def live(storage: str) -> dict[str, Any]:
     survivors = [r for r in info["finished"] if "." not in r["replica"] and r["replica"] not in lost]
     return {
         "world_sizes": killed["world_sizes"],
-        "pause_s": [p for p, e in zip(info["pause_s"], killed["events"], strict=True) if e["kind"] == "kill"],
+        "pause_s": [h["pause_s"] for h in heals],
         # a node added: from its arrival to the first step committed at a larger world (a group placed, built and
         # healed from a peer while the others trained)
         "grown_s": [e["grown_s"] for e in killed["events"] if e["kind"] == "add"],

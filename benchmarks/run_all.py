@@ -131,6 +131,11 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default %(default)s)")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<date>-<commit>.json)")
+    parser.add_argument(
+        "--commit",
+        default=None,
+        help="the commit measured, where the tree is a copy without git (a GPU machine's); default: git's HEAD",
+    )
     args = parser.parse_args()
     chosen = {**BENCHMARKS}
     try:
@@ -150,7 +155,7 @@ def main() -> None:
     started = time.monotonic()
     results: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
+        "commit": args.commit or commit(),
         "machine": machine(),
         "quick": args.quick,
         "reps": reps,

@@ -145,8 +145,8 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         "the same fraction between two runs without checkpoints (A/A): the noise floor",
         None,
     ),
-    ("recovery_live", "live_kill_pause_s", "live recovery: kill → next committed step, s", None),
-    ("recovery_live", "live_heal_s", "live recovery: kill → first step at full size again, s", None),
+    ("recovery_live", "live_kill_pause_s", "live recovery: the survivors' stall after a kill, s", None),
+    ("recovery_live", "live_heal_s", "live recovery: kill → first step at the pre-kill size again, s", None),
     (
         "recovery_live",
         "live_add_grown_s",

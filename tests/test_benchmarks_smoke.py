@@ -227,3 +227,22 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     assert f"communication from `benchmarks/results/{out.name}`" in head
     assert f"overhead from `benchmarks/results/{second.name}`" in head
     assert "(`overhead_ratio`) | 0.5 | >= 0.97: **missed**" in render(merged, "", head)
+
+
+def test_a_live_kills_pause_is_measured_past_a_step_the_killed_group_had_already_joined() -> None:
+    """recovery.py's `kill_timeline` (pure): a step committed at the old size just after the kill (the killed
+    group had contributed to it) does not end the pause; the pause is the longest interval until the first step at
+    the smaller size, the heal the time back to the pre-kill size after that drop."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recovery import kill_timeline
+
+    def m(time: float, world: int) -> dict[str, Any]:
+        return {"step": int(time * 10), "time": time, "world_size": world}
+
+    # kill at 10.0; step at 10.01 still at 3; the survivors stall 0.8 s, train at 2, the replacement joins at 13.0
+    metrics = [m(9.8, 3), m(9.9, 3), m(10.01, 3), m(10.81, 2), m(11.0, 2), m(12.0, 2), m(13.0, 3), m(13.1, 3)]
+    timeline = kill_timeline(metrics, 10.0)
+    assert timeline["pause_s"] == pytest.approx(0.8)
+    assert timeline["to_full_s"] == pytest.approx(3.0)
+    assert timeline["longest_interval_s"] == pytest.approx(1.0)  # 12.0 -> 13.0, at the smaller size
+    assert kill_timeline(metrics[:4], 10.0)["to_full_s"] is None  # never back to full size
