@@ -171,13 +171,15 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         None,
     ),
     ("goodput_node", "goodput_node_restart", "goodput, the same node losses: raytrain, recovery restart", None),
-    ("goodput_node", "goodput_node_live", "goodput, the same node losses: raytrain, recovery live (ddp)", None),
     (
         "goodput_node",
         "goodput_node_live_hsdp",
         "goodput, the same node losses: raytrain, recovery live (2 groups of dp_shard 2)",
         None,
     ),
+    ("gpu", "mfu_ddp", "GPT-small (136 M), 1 H200, bf16: model FLOPs utilisation, raytrain's step, ddp", None),
+    ("gpu", "mfu_zero3", "the same, zero3 (FSDP2)", None),
+    ("gpu", "raytrain_over_hand_zero3", "the same: raytrain's zero3 ÷ FSDP2 written by hand, tokens/s", None),
 ]
 
 
