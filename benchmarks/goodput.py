@@ -27,7 +27,10 @@ notice (its raylet and every process on it killed: a spot reclaim) and a replace
 warm pool or an autoscaler that already has one ready would (a cloud's start of a fresh VM, minutes, is not in
 it). The node's death is detected with `raytrain.ray_hooks.FAST_NODE_DEATH`, which the fake cluster and
 cluster.yaml both set (Ray's defaults take ~15-30 s); every other setting is the library's default
-(`resize_monitor_interval_s` 5 s). Keys carry `goodput_node_` where the kill run's carry `goodput_`.
+(`resize_monitor_interval_s` 5 s). Keys carry `goodput_node_` where the kill run's carry `goodput_`. Steps
+trained again, raytrain restart: from the step each node was lost at back to the checkpoint the next group resumed
+from; a second restart, should the group grow again when the replacement node arrives, is not counted there (its
+time is in the goodput all the same).
 
 From rank 0's record of each step (the time it finished: raytrain's metrics.jsonl, the bare loop's own file; a step
 trained again after a restart is counted once, at the first time it finished):
@@ -409,7 +412,7 @@ def main() -> int:
     headline |= {f"goodput_{cost}_{v}": round(r["beyond_pace_s"] / count, 2) for v, r in found.items()}
     headline |= {f"{prefix}step_s_{v}": round(r["step_s"], 4) for v, r in found.items()}
     headline |= {f"{prefix}retrained_{v}": r["retrained"] for v, r in found.items()}
-    headline[f"{prefix}event_every_s"] = round(every * step_s, 1)
+    headline["goodput_node_event_every_s" if node_loss else "goodput_kill_every_s"] = round(every * step_s, 1)
     for live in ("live", "live_hsdp"):
         if live in found and "restart" in found:
             ratio = found[live]["goodput"] / found["restart"]["goodput"]

@@ -22,7 +22,9 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     after the kill), steps trained again, and against the same run without events: survivors'
                     pids, the batch, the audit, the loss (issue 17); the heal: from each kill to the first step
                     committed at its pre-kill size again after the drop, and the longest interval between committed
-                    steps until then; and the growth (`live_add_grown_s`): from
+                    steps until then (the add comes 30 steps, >= 5 s, after the second kill: its replacement has
+                    joined by then, the heal taking < 4 s here, so the growth is the added node's group); and the
+                    growth (`live_add_grown_s`): from
                     the node's arrival to the first step committed at a larger world (a new replica group placed,
                     built and healed from a peer while the others trained)
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
@@ -158,7 +160,10 @@ def kill_timeline(metrics: list[dict[str, Any]], kill_time: float) -> dict[str, 
     after the kill: the survivors' stall comes after it); `to_full_s`, from the kill to the first step at the
     pre-kill size again after that drop (the heal); `longest_interval_s`, the longest interval until then. None
     where the run never got there."""
-    full = [m["world_size"] for m in metrics if m["time"] <= kill_time][-1]  # the size the kill cut
+    before = [m["world_size"] for m in metrics if m["time"] <= kill_time]
+    if not before:  # killed before its first committed step: no size to fall from
+        return {"pause_s": None, "to_full_s": None, "longest_interval_s": None}
+    full = before[-1]  # the size the kill cut
     after = [m for m in metrics if m["time"] > kill_time]
     dropped = next((m for m in after if m["world_size"] < full), None)
     healed = (
@@ -504,12 +509,18 @@ def live_table(row: dict[str, Any], kill: dict[str, Any]) -> str:
         [
             "live, 2 kills",
             " -> ".join(str(w) for w in row["world_sizes"]),
-            ", ".join(f"{p:.2f}" for p in row["pause_s"]),
+            ", ".join("-" if p is None else f"{p:.2f}" for p in row["pause_s"]),
             row["steps_retrained"],
             ", ".join(f"{r['replica']} pid {r['pid']}" for r in row["survivors"]) + " (never restarted)",
         ],
     ]
-    headers = ["SIGKILL of a worker", "world", "seconds to the next step", "steps trained again", "survivors"]
+    headers = [
+        "SIGKILL of a worker",
+        "world",
+        "stall, s (live: longest gap to the smaller size)",
+        "steps trained again",
+        "survivors",
+    ]
     growth = ", ".join("never joined" if g is None else f"{g:.2f} s" for g in row["grown_s"])
     return table(headers, rows) + f"\nlive, a node added -> the first step a new replica group committed in: {growth}"
 

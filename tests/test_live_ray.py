@@ -10,8 +10,8 @@ restart, the groups not touched keep their processes, the drained group leaves a
 only replica (from inside it, by `raytrain.faults`): live mode cannot go on, falls back to a restart from its newest
 checkpoint (one line says why), and the curve is still the fixed-size one. One checkpoint format: a live run (HSDP)
 resumed in restart mode at another world size, then in live mode again with groups of two tensor-parallel workers
-(one group killed and replaced by a group that heals its tp shards from a peer), trains every step once on the
-fixed-size curve.
+(one group killed and replaced by a group that heals its tp shards from a peer), then as one group of dp_shard 2 x
+tp 2 (zero3 over a 2-D mesh), trains every step once on the fixed-size curve.
 """
 
 from __future__ import annotations
@@ -149,6 +149,18 @@ def test_either_recovery_mode_resumes_the_others_checkpoint_at_another_world_siz
     joined = [r for r in read_jsonl(str(Path(summary["run_dir"]) / "live.jsonl")) if r["kind"] == "joined"]
     assert joined and len(joined[-1]["pids"]) == 2
     assert "tensor parallel over 2 ranks" in summary["stderr"]
+    # and one group of dp_shard 2 x tp 2 (zero3 over the dp axis of a 2-D mesh): it loads the tp groups' checkpoint
+    # into that layout and gathers its own over both axes
+    grid = ("--recovery", "live", "--strategy", "zero3", "--dp-shard", "2", "--tp", "2", "--slots-per-node", "4")
+    last = demo(tmp_path, "cross", *common, "--steps", "70", *grid, "--nodes", "1", "--workers", "4")
+    check_invariants(last, 70)
+    assert_same_curve(last, fixed_size_losses)
+    grid_start = read_jsonl(str(Path(last["run_dir"]) / "events.jsonl"))[-1]
+    assert (grid_start["step"], grid_start["layout"]) == (
+        60,
+        {"dp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 2, "pp": 1},
+    )
+    assert "FSDP units" in last["stderr"] and "tensor parallel over 2 ranks" in last["stderr"]
 
 
 def test_a_finished_live_run_leaves_no_actor_or_placement_group_behind(ray_local: None, tmp_path: Path) -> None:

@@ -138,7 +138,7 @@ def test_demo_refuses_live_with_what_live_mode_does_not_run() -> None:
     DemoOptions(recovery="live", tp=2, slots_per_node=2, min_workers=2, max_workers=4)  # groups of 2 tp workers
     with pytest.raises(ConfigError, match=r"--pp 2 \(live mode runs 1\)"):
         DemoOptions(recovery="live", pp=2, min_workers=2, max_workers=2)
-    with pytest.raises(ConfigError, match=r"--slots-per-node 2 \(a multiple of --dp-shard x --tp = 4: a replica"):
+    with pytest.raises(ConfigError, match=r"--slots-per-node 2 \(at least --dp-shard x --tp = 4: a replica group"):
         DemoOptions(recovery="live", tp=2, dp_shard=2, strategy="zero3", slots_per_node=2, min_workers=4, max_workers=4)
 
 
@@ -177,6 +177,22 @@ def test_live_log_writes_each_step_once_and_names_each_change_of_participants(tm
     assert "live: step 2: world 3 -> 2: accumulation 2 -> 3, samples/rank [8,8,8] -> [12,12], global batch 24 " in text
     assert "(no restart)" in text
     assert "WARNING: steps [5] were recorded but step 4 never was; not written" in text
+
+
+def test_live_log_names_a_change_of_data_ranks_with_tensor_parallel_groups(tmp_path: Path) -> None:
+    """Groups of tp workers: a step's world counts workers (data ranks x tp), its plan data ranks; the resize line
+    is written when the data ranks change, naming dp and tp, and never for the workers' count alone."""
+    log = LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={})
+    plan = {"world_size": 2, "accumulation_steps": 3, "per_rank_samples": [12, 12], "global_batch": 24}
+    layout = {"dp": 2, "dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 1}
+    log.begin(1, 0, {"world_size": 4, "plan": plan, "lr": 0.1, "strategy": "ddp", "layout": layout}, total_steps=10)
+    step = {**_metrics(1, 2), "world_size": 4, "accumulation_steps": 3, "per_rank_samples": [12, 12]}
+    log.step(1, step, None)  # 2 data ranks of 2 tp workers: the plan it began with
+    log.step(1, {**_metrics(2, 1), "world_size": 2, "accumulation_steps": 6, "per_rank_samples": [24]}, None)
+    log.close()
+    text = (tmp_path / "raytrain.log").read_text()
+    assert "live: step 1" not in text
+    assert "live: step 2: dp 2 -> 1, tp 2, pp 1: accumulation 3 -> 6, samples/replica [12,12] -> [24]" in text
 
 
 def _tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -95,7 +95,7 @@ class DemoOptions:
     cluster_yaml: str = ""  # the node types for --autoscale; "" = the cluster.yaml shipped with raytrain
     idle_timeout_s: float = 10.0  # --autoscale: an idle worker node is removed after this long
     recovery: str = "restart"  # "live": torchft replica groups, survivors never restart (ClusterConfig.recovery)
-    dp_shard: int = 1  # live mode: workers per replica group, sharding the model (ParallelConfig.dp_shard)
+    dp_shard: int = 1  # live mode: data ranks per replica group, sharding the model (ParallelConfig.dp_shard)
 
     def __post_init__(self) -> None:
         """Everything checkable without a cluster, so a bad flag fails before any Ray process starts."""
@@ -149,9 +149,9 @@ class DemoOptions:
             for name, value in (("--workers min", self.min_workers), ("--workers max", self.max_workers)):
                 if value % group:
                     live_problems.append(f"{name} {value} (a multiple of {size}: whole groups)")
-            if self.slots_per_node % group:
+            if self.slots_per_node < group:
                 live_problems.append(
-                    f"--slots-per-node {self.slots_per_node} (a multiple of {size}: a replica group shares a node)"
+                    f"--slots-per-node {self.slots_per_node} (at least {size}: a replica group shares a node)"
                 )
             if live_problems:
                 raise ConfigError("--recovery live cannot run with " + ", ".join(live_problems))

@@ -353,8 +353,9 @@ class LiveRun:
         if settled < self.min:
             self._stop_all()
             raise TimeoutError(
-                f"live mode: only {settled} of min_workers={self.min * self.group_size} workers ({self.min} replica "
-                f"group(s) of {self._group_words()}) could be placed and built within {START_TIMEOUT_S:.0f} s "
+                f"live mode: only {settled} of the {self.min} replica group(s) that min_workers="
+                f"{self.min * self.group_size} asks for (groups of {self._group_words()}) could be placed and built "
+                f"within {START_TIMEOUT_S:.0f} s "
                 f"(resources_per_worker={self.job.spec.cluster.resources_per_worker})"
             )
         grace = time.monotonic() + 1.0  # the others that are about ready start with them

@@ -7,12 +7,14 @@ fell behind) receives the model and optimizer state from a healthy peer before i
 not do is keep the batch: its replicas each train their own batch, so the effective batch shrinks with them.
 raytrain adds its rule on top:
 
-* a replica group is `dp_shard` workers (`ParallelConfig(dp_shard=...)`; one by default) that shard the model
-  among themselves (zero2/zero3: FSDP2 over the group's own process group), torchft's HSDP: torchft replicates
-  across groups, each rank with the same rank of the other groups;
-* at step s the P groups' P x dp_shard ranks split that step's B samples (global positions s·B .. s·B + B - 1 of
-  the order) with the batch plan computed for them (`raytrain.batch_plan.split_step`); data rank
-  q·dp_shard + k (group q of the quorum, rank k in it) takes its contiguous slice in its micro-batches;
+* a replica group is dp_shard x tp workers (`ParallelConfig(dp_shard=..., tp=...)`; one by default): dp_shard data
+  ranks that shard the model among themselves (zero2/zero3: FSDP2 over the group's own process group), each of tp
+  workers splitting its layers; torchft's HSDP: torchft replicates across groups, each rank with the same rank of
+  the other groups;
+* at step s the P groups' P x dp_shard data ranks split that step's B samples (global positions s·B .. s·B + B - 1
+  of the order) with the batch plan computed for them (`raytrain.batch_plan.split_step`); data rank
+  q·dp_shard + k (group q of the quorum, k its dp coordinate in the group) takes its contiguous slice in its
+  micro-batches, the same slice on each of its tp workers;
 * the step is the restart path's (`raytrain.step.Step`): each backward scaled by P·dp_shard / B, FSDP averaging
   over the group, then `TorchftReplication` averaging over the P groups: the update is the mean over all B
   samples, the same as one process on the whole batch, whatever P is;

@@ -294,7 +294,7 @@ class LiveWorker:
                 if step >= self.total_steps:
                     break
                 epoch, sample_in_epoch = step_position(step, self.num_rows, self.global_batch, spec.batch.drop_last)
-                ranks = quorum.participants * size  # every group's workers split the step
+                ranks = quorum.participants * size  # every group's data ranks split the step
                 self._rank = quorum.rank * size + self._coords.dp  # its tp peers read the same samples
                 self.steps.set_share(self._full_plan(ranks), self._rank)
                 data = self.steps.next_step(epoch, sample_in_epoch)
