@@ -6,15 +6,15 @@ optimizer (SGD, momentum 0.9), global batch (512 = 2 workers x 4 micro-batches x
 (gloo), all under the same local Ray instance and Ray environment (`raytrain.trainer.RAY_ENV_DEFAULTS`).
 
 The headline, `overhead_ratio`, compares like with like: raytrain's default (deterministic=True) against the
-*matched* hand-written loop, which does by hand what raytrain does: the training set in every worker's memory,
-an epoch order drawn from (seed, epoch), each rank's contiguous slice of the step's global batch cut into k
-micro-batches, DDP `no_sync` on all but the last micro-step (one gradient sync per step), the summed loss times
-W / B, one loss all-reduce per step, a metrics line on rank 0, and every `every` steps a checkpoint saved the way
-raytrain saves it: DCP `async_save` from every rank on a gloo group of its own (the shard is copied to host memory,
-the files are written in a background thread while training goes on), `ray.train.report` once the files are
-written (after the next step), and Ray's commit waited for in a background thread (joined before the next
-checkpoint). Both loops therefore save in the background; the difference is raytrain's own cost: its batch plan,
-step source, LR setting, RNG seeding and bookkeeping.
+*matched* hand-written loop, which does by hand what raytrain does: the training set in every worker's memory, an
+epoch order drawn from (seed, epoch), the heap frozen out of Python's full collections, each rank's contiguous slice
+of the step's global batch cut into k micro-batches, DDP `no_sync` on all but the last micro-step (one gradient sync
+per step), the summed loss times W / B, one loss all-reduce per step, a metrics line on rank 0, and every `every`
+steps a checkpoint saved the way raytrain saves it: DCP `async_save` from every rank on a gloo group of its own (the
+shard is copied to host memory, the files are written in a background thread while training goes on),
+`ray.train.report` once the files are written (after the next step), and Ray's commit waited for in a background
+thread (joined before the next checkpoint). Both loops therefore save in the background; the difference is
+raytrain's own cost: its batch plan, step source, LR setting, RNG seeding and bookkeeping.
 
 The design differences are separate rows against the *naive* loop, the usual Ray Train recipe:
 `prepare_model` (DDP), `get_dataset_shard("train")` + `iter_torch_batches` with a per-epoch `local_shuffle_seed`,
@@ -39,10 +39,11 @@ Per run:
 The matched loop runs twice per repetition (the second, "control", is the same code): `control_ratio` (its
 steps/s over the first's) and `start_control_s` (its start-up less the first's) show how far two runs of identical
 code differ on this machine, the floor below which raytrain's own overhead cannot be told from noise.
-Runs alternate (the variants in rotating order); the table gives each run and the median over repetitions;
-ratio = steps/s / steps/s of the medians. The headline `overhead_ratio` is the all-inclusive steady-state ratio
-for raytrain's default mode; the others are printed beside it. Timings depend on what else the machine runs (its
-load average is printed).
+Before the timed runs, raytrain and the matched loop run once each, untimed (`warm_up`): the first Train run in a
+fresh Ray instance is slower to start whichever loop it is. Runs alternate (the variants in rotating order); the
+table gives each run and the median over repetitions; ratio = steps/s / steps/s of the medians. The headline
+`overhead_ratio` is the all-inclusive steady-state ratio for raytrain's default mode; the others are printed beside
+it. Timings depend on what else the machine runs (its load average is printed).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 def matched_train_func(config: dict[str, Any]) -> None:
     """What raytrain's deterministic loop does, written by hand for this one model and W (see the module doc)."""
     import contextlib
+    import gc
     import threading
 
     import numpy as np
@@ -141,6 +143,8 @@ def matched_train_func(config: dict[str, Any]) -> None:
         committing.append(thread)
 
     times = open(config["times_path"], "a") if rank == 0 else None  # noqa: SIM115  # closed below
+    gc.collect(1)  # as raytrain's loop does (`raytrain.worker_loop.settle_heap`): what lives for the whole run is
+    gc.freeze()  # kept out of Python's full collections, which otherwise stall a rank mid-step now and then
     step = 0
     for epoch in range(config["epochs"]):
         order = np.random.default_rng([config["seed"], epoch]).permutation(rows)
@@ -396,6 +400,22 @@ def summarise(run: dict[str, Any], skip: int, every: int) -> dict[str, float]:
     }
 
 
+def warm_up(storage: str, skip: int) -> None:
+    """One short untimed run of raytrain and of the matched loop before any timed one. The first Train run in a
+    fresh Ray instance starts slower whichever loop it is (cold worker processes, imports, file caches): measured
+    here, 5.1 s more to the training function for whichever variant the rotation put first, which made one
+    repetition's `start_overhead_s` 5.9 s while the others' were below 1 s."""
+    steps = skip + 4
+    rows = steps * GLOBAL_BATCH
+    for name, run in (
+        ("warm-up-matched", lambda: run_matched(storage, "warm-up-matched", rows, 1, steps, 10**6)),
+        ("warm-up-raytrain", lambda: run_raytrain(storage, "warm-up-raytrain", rows, 1, steps, 10**6, True)),
+    ):
+        started = time.perf_counter()
+        run()
+        print(f"  {name} (untimed): {time.perf_counter() - started:.1f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one short repetition of each loop (a smoke run)")
@@ -418,6 +438,8 @@ def main() -> None:
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     order: list[str] = []
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-") as storage:
+        if not args.quick:
+            warm_up(storage, skip)
         for rep in range(reps):
             turn = (first_rep() + rep) % len(variants)
             rotated = variants[turn:] + variants[:turn]
