@@ -282,23 +282,29 @@ class FakeCluster:
     def _start_node(self, wait: bool) -> Any:
         return self.cluster.add_node(num_cpus=self.slots, resources={WORKER_SLOT: self.slots}, wait=wait)
 
-    def remove_node(self, node: Any = None) -> str:
-        """Kill `node` (default: the most recently added fake node), as a spot reclaim would: no grace period."""
+    def remove_node(self, node: Any = None, node_id: str | None = None) -> str:
+        """Kill `node` (or the fake node of `node_id`; default: the most recently added one), as a spot reclaim
+        would: no grace period."""
         if not self.worker_nodes:
             return "no fake node left to remove"
-        node = node if node is not None else self.worker_nodes[-1]
+        node = node if node is not None else self._node(node_id)
         self.worker_nodes.remove(node)
         self.cluster.remove_node(node, allow_graceful=False)
         return f"removed node {node.node_id[:8]}"
 
-    def drain_node(self, deadline_s: float) -> tuple[str, Any]:
-        """Announce the removal of the most recently added node in `deadline_s` seconds (a spot notice); returns
-        a description and the node, which the caller removes at the deadline."""
+    def drain_node(self, deadline_s: float, node_id: str | None = None) -> tuple[str, Any]:
+        """Announce the removal of the fake node of `node_id` (default: the most recently added one) in
+        `deadline_s` seconds (a spot notice); returns a description and the node, which the caller removes at the
+        deadline."""
         from raytrain.ray_hooks import drain_node
 
-        node = self.worker_nodes[-1]
+        node = self._node(node_id)
         drain_node(self.address, node.node_id, deadline_s)
         return f"drain of node {node.node_id[:8]} announced, removal in {deadline_s:.0f} s", node
+
+    def _node(self, node_id: str | None) -> Any:
+        """The fake node of `node_id`; the most recently added one for None or an id not among them."""
+        return next((n for n in self.worker_nodes if n.node_id == node_id), self.worker_nodes[-1])
 
     def shutdown(self) -> None:
         """Stop every node of the cluster."""
@@ -370,19 +376,21 @@ class AutoscaledNodes:
         self.reclaimed.append({"time": time.time(), "node": node, "type": kind, "spare_nodes": spare})
         return f"the provider reclaimed node {short_node_id(node)} ({kind}), as a cloud takes back a spot instance"
 
-    def remove_node(self, node: Any = None) -> str:
-        """A drain's deadline: the node is reclaimed (the same interface as `FakeCluster.remove_node`)."""
-        return self.reclaim_node(node)
+    def remove_node(self, node: Any = None, node_id: str | None = None) -> str:
+        """A drain's deadline: the node (or the node of `node_id`) is reclaimed (the same interface as
+        `FakeCluster.remove_node`)."""
+        return self.reclaim_node(node if node is not None else node_id)
 
     def add_node(self) -> str:
         """Not offered: the autoscaler adds nodes (`DemoOptions` refuses `add` events with --autoscale)."""
         raise ConfigError("with --autoscale the autoscaler adds nodes")
 
-    def drain_node(self, deadline_s: float) -> tuple[str, Any]:
-        """Announce the reclaim of the newest worker node in `deadline_s` seconds (a spot notice)."""
+    def drain_node(self, deadline_s: float, node_id: str | None = None) -> tuple[str, Any]:
+        """Announce the reclaim of the node of `node_id` (default: the newest worker node) in `deadline_s` seconds
+        (a spot notice)."""
         from raytrain.ray_hooks import drain_node, short_node_id
 
-        node = self._newest(self._training_nodes())
+        node = node_id or self._newest(self._training_nodes())
         drain_node(self.address, node, deadline_s)
         return f"drain of node {short_node_id(node)} announced, reclaim in {deadline_s:.0f} s", node
 
@@ -413,8 +421,12 @@ class EventDriver:
         run_dir: str,
         cluster: FakeCluster | AutoscaledNodes | None,
         kill: Callable[[], str] | None = None,
+        target: Callable[[], str | None] | None = None,
     ) -> None:
         self.kill = kill  # live mode: the run kills one of its replicas (the worker pids are not in events.jsonl)
+        # live mode: the node id a removal or drain hits, that of a training replica group (`LiveRun.event_node`):
+        # the newest node may hold a group still being placed or healed, whose loss is another scenario
+        self.target = target
         self.pending = list(events)
         self.run_dir, self.cluster = run_dir, cluster
         self.last_poll = 0.0
@@ -439,18 +451,24 @@ class EventDriver:
             self.skipped.append(f"{event.kind}@{event.step}: needs the demo's own fake-node cluster")
             return
         elif event.kind == "drain":
-            detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S)
+            detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S, self._target())
             applied = AppliedEvent(event.kind, event.step, step, time.time(), detail)
             self.timed.append((applied.time + DRAIN_DEADLINE_S, node, applied))
             self.applied.append(applied)
         elif event.kind == "reclaim":
             assert isinstance(self.cluster, AutoscaledNodes)
             detail = self.cluster.reclaim_node()
+        elif event.kind == "remove":
+            detail = self.cluster.remove_node(node_id=self._target())
         else:
-            detail = self.cluster.remove_node() if event.kind == "remove" else self.cluster.add_node()
+            detail = self.cluster.add_node()
         if event.kind != "drain":
             self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
         print(f"[raytrain demo] step {step}: {event.kind}: {detail}", file=output(), flush=True)
+
+    def _target(self) -> str | None:
+        """The node id a removal or drain hits (live mode), None for the newest node (restart mode)."""
+        return self.target() if self.target is not None else None
 
     def _note_recoveries(self) -> None:
         starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
@@ -833,7 +851,13 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
     )
     run_dir = trainer.spec.checkpoint.run_dir()
     live = options.recovery == "live"
-    driver = EventDriver(events, run_dir, cluster, kill=(lambda: trainer.live_run.kill_replica()) if live else None)
+    driver = EventDriver(
+        events,
+        run_dir,
+        cluster,
+        kill=(lambda: trainer.live_run.kill_replica()) if live else None,
+        target=(lambda: trainer.live_run.event_node()) if live else None,
+    )
     for event in events:
         if cluster is None and event.kind != "kill":
             driver.skipped.append(f"{event.kind}@{event.step}: only the demo's own fake-node cluster can do this")

@@ -206,16 +206,20 @@ class LiveRun:
             self._stop(replica)
         self.replicas.clear()
 
+    def _newest_running(self) -> _Replica | None:
+        """The running (placed and built) replica group with the highest index: what the demo's events hit."""
+        replicas = list(self.replicas.values())  # a snapshot: fit()'s thread changes the dict
+        running = [r for r in replicas if r.launched and len(r.built) == len(r.actors)]
+        return max(running, key=lambda r: r.index) if running else None
+
     def kill_replica(self) -> str:
         """SIGKILL one process of the running replica group with the highest index (its last rank, as the OOM
         killer or a lost node would); the group is lost with it. Returns what was done."""
         import ray
 
-        replicas = list(self.replicas.values())  # a snapshot: fit()'s thread changes the dict
-        running = [r for r in replicas if r.launched and len(r.built) == len(r.actors)]
-        if not running:
+        target = self._newest_running()
+        if target is None:
             return "no running replica to kill"
-        target = max(running, key=lambda r: r.index)
         pid, node = target.pids[-1], target.nodes[-1]
         if node == ray.get_runtime_context().get_node_id():
             os.kill(pid, signal.SIGKILL)
@@ -223,6 +227,13 @@ class LiveRun:
             ray.kill(target.actors[-1], no_restart=True)
         rank = f" rank {len(target.pids) - 1}" if len(target.pids) > 1 else ""
         return f"SIGKILL live replica {target.name}{rank} (pid {pid})"
+
+    def event_node(self) -> str | None:
+        """The node id that a node event of the demo (removed, drained) hits: that of the running replica group
+        `kill_replica` would kill, so that the event lands on a group that trains, never on one still being
+        placed or healed (None when no group runs)."""
+        target = self._newest_running()
+        return target.nodes[-1] if target is not None else None
 
     # -- the run ------------------------------------------------------------------------------------------------
 
