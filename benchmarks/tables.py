@@ -5,8 +5,9 @@ results file given (`run_all.py`'s), or by default each benchmark from the newes
 in benchmarks/results/ in which it ran (so `run_all.py --only NAME` renews that benchmark's rows), the header
 naming every file used with its date, commit and repetitions. Each
 row is one figure: its median over the repetitions with min-max, and whether its goal is met by the *worst*
-repetition (max for an upper bound, min for a lower bound). A figure the results file lacks is left out; nothing
-is typed by hand.
+repetition (max for an upper bound, min for a lower bound); where the figure has an A/A control (`NOISE`) that
+strayed further than the goal's margin, the verdict adds "within noise" and the control's range. A figure the
+results file lacks is left out; nothing is typed by hand.
 """
 
 from __future__ import annotations
@@ -228,6 +229,28 @@ def _number(value: float) -> str:
     return f"{value:.3g}"
 
 
+# A goal's figure -> (its A/A control: the same measurement between two runs of identical code, the value the control
+# reads without noise). Where the control strays from that value by more than the goal's margin (|ideal - bound|),
+# the verdict says so: the machine cannot tell whether the goal is met.
+NOISE: dict[str, tuple[str, float]] = {
+    "overhead_ratio": ("control_ratio", 1.0),
+    "start_overhead_s": ("start_control_s", 0.0),
+    "checkpoint_overhead_fraction": ("checkpoint_control_fraction", 0.0),
+}
+
+
+def noise_note(figures: dict[str, Any], key: str, bound: float) -> str:
+    """ "" or, where `key`'s A/A control (`NOISE`) strayed further from its ideal than the goal's margin, a note
+    naming the control's range: the verdict is then within this machine's noise."""
+    if key not in NOISE or NOISE[key][0] not in figures:
+        return ""
+    control, ideal = NOISE[key]
+    low, high = figures[control]["min"], figures[control]["max"]
+    if max(abs(low - ideal), abs(high - ideal)) <= abs(ideal - bound):
+        return ""
+    return f" (within noise: A/A `{control}` {_number(low)}-{_number(high)})"
+
+
 def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
     """The markdown table of `results` (a run_all.py results file named `name`, or with `head` the merged
     results of `newest_per_benchmark`)."""
@@ -240,7 +263,8 @@ def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
         )
     lines = [head, "", "| figure | median (min-max) | goal |", "|---|---|---|"]
     for bench, key, what, goal in ROWS:
-        figure = results["benchmarks"].get(bench, {}).get("figures", {}).get(key)
+        figures = results["benchmarks"].get(bench, {}).get("figures", {})
+        figure = figures.get(key)
         if figure is None:
             continue
         spread = "" if figure["min"] == figure["max"] else f" ({_number(figure['min'])}-{_number(figure['max'])})"
@@ -249,7 +273,7 @@ def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
             op, bound = goal
             worst = figure["max"] if op == "<=" else figure["min"]
             met = worst <= bound if op == "<=" else worst >= bound
-            verdict = f"{op} {_number(bound)}: {'met' if met else '**missed**'}"
+            verdict = f"{op} {_number(bound)}: {'met' if met else '**missed**'}{noise_note(figures, key, bound)}"
         lines.append(f"| {what} (`{key}`) | {_number(figure['median'])}{spread} | {verdict} |")
     failed = [b for b, v in results["benchmarks"].items() if v.get("failed")]
     if failed:

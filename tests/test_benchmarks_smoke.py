@@ -246,3 +246,23 @@ def test_a_live_kills_pause_is_measured_past_a_step_the_killed_group_had_already
     assert timeline["to_full_s"] == pytest.approx(3.0)
     assert timeline["longest_interval_s"] == pytest.approx(1.0)  # 12.0 -> 13.0, at the smaller size
     assert kill_timeline(metrics[:4], 10.0)["to_full_s"] is None  # never back to full size
+
+
+def test_a_goal_whose_a_a_control_strays_past_its_margin_is_marked_within_noise() -> None:
+    """tables.py's verdict (pure): `overhead_ratio` >= 0.97 judged with its A/A control; a control within 0.03 of
+    1 leaves the verdict alone, one that strayed further names its range, met or missed."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from tables import render
+
+    def results(figure: tuple[float, float], control: tuple[float, float]) -> dict[str, Any]:
+        figures = {
+            "overhead_ratio": {"min": figure[0], "median": figure[0], "max": figure[1], "n": 3},
+            "control_ratio": {"min": control[0], "median": control[0], "max": control[1], "n": 3},
+        }
+        return {"benchmarks": {"overhead": {"figures": figures}}}
+
+    quiet = render(results((0.99, 1.0), (0.98, 1.02)), "", "head")
+    assert "(`overhead_ratio`) | 0.99 (0.99-1) | >= 0.97: met |" in quiet
+    noisy = render(results((0.83, 1.28), (0.93, 1.39)), "", "head")
+    assert ">= 0.97: **missed** (within noise: A/A `control_ratio` 0.93-1.39) |" in noisy
+    assert ">= 0.97: met (within noise" in render(results((0.99, 1.0), (0.9, 1.1)), "", "head")
