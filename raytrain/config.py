@@ -338,6 +338,12 @@ class ParallelConfig:
         tp, pp = self.degrees
         return tp * pp
 
+    @property
+    def live_group(self) -> int:
+        """Workers per replica group of live recovery: dp_shard x tp (resolved; the world grows and shrinks by
+        whole groups, each on one node)."""
+        return self.dp_shard * self.degrees[0]
+
 
 def check_whole_replicas(min_workers: int, max_workers: int, global_batch: int, tp: int, pp: int) -> None:
     """The elastic range in whole model-parallel replicas of tp * pp workers: both ends multiples of it, and at
@@ -528,7 +534,7 @@ def check_live(spec: TrainSpec) -> None:
     problems = []
     shard = spec.parallel.dp_shard
     tp, pp = spec.parallel.degrees
-    group = shard * tp
+    group = spec.parallel.live_group
     if pp != 1:
         problems.append(
             f"parallel.pp must be 1 (a replica group is dp_shard x tp workers of one node; pipeline stages are not "

@@ -21,8 +21,7 @@ def describe_groups(spec: TrainSpec) -> str:
     """Pure: a live run's replica groups in words, for the driver's start line and `raytrain fit --dry-run`: how
     many (at most, and at least), and their workers when a group has several (dp_shard sharding the model, tp
     splitting its layers)."""
-    shard, tp = spec.parallel.dp_shard, spec.parallel.degrees[0]
-    group = shard * tp
+    shard, tp, group = spec.parallel.dp_shard, spec.parallel.degrees[0], spec.parallel.live_group
     most, least = spec.cluster.max_workers // group, spec.cluster.min_workers // group
     if group == 1:
         return f"{most} torchft replica groups of one worker (min {least})"

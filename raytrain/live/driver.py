@@ -125,7 +125,7 @@ class LiveRun:
         cluster = job.spec.cluster
         parallel = job.spec.parallel
         self.dp_shard, self.tp = parallel.dp_shard, parallel.degrees[0]
-        self.group_size = self.dp_shard * self.tp  # workers per replica group
+        self.group_size = parallel.live_group  # workers per replica group
         self.min, self.max = cluster.min_workers // self.group_size, cluster.max_workers // self.group_size  # groups
         self.replicas: dict[str, _Replica] = {}  # by name: a drained group and its successor run side by side
         self.result = LiveResult([])
