@@ -59,7 +59,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -182,20 +181,7 @@ class NodeLoss:
         from raytrain.cli.demo import EventDriver
 
         driver = EventDriver(list(self.events), run_dir, self.cluster)
-        outcome: dict[str, Any] = {}
-
-        def train() -> None:
-            try:
-                outcome["result"] = fit()
-            except BaseException as err:  # re-raised below, in the main thread
-                outcome["error"] = err
-
-        training = threading.Thread(target=train, name="goodput-fit", daemon=True)
-        training.start()
-        driver.follow(training, timeout_s=3600)
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["result"], driver.applied
+        return driver.train(fit, timeout_s=3600, name="goodput-fit"), driver.applied
 
     def close(self) -> None:
         import ray

@@ -506,6 +506,24 @@ class EventDriver:
         added = ", ".join(self.cluster.alive[node] for node in up)
         print(f"[raytrain demo] step {step}: grow: the autoscaler added {added}", file=output(), flush=True)
 
+    def train(self, fit: Callable[[], Any], timeout_s: float, name: str = "raytrain-demo-fit") -> Any:
+        """Run `fit()` in a thread named `name` while this (the main) thread applies the events (`follow`); return
+        what `fit` returned, or raise what it raised, here. TimeoutError after `timeout_s` seconds."""
+        outcome: dict[str, Any] = {}
+
+        def train() -> None:
+            try:
+                outcome["result"] = fit()
+            except BaseException as err:  # re-raised in the calling thread below
+                outcome["error"] = err
+
+        training = threading.Thread(target=train, name=name, daemon=True)
+        training.start()
+        self.follow(training, timeout_s)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
+
     def follow(self, training: threading.Thread, timeout_s: float) -> None:
         """Poll until `training` ends, applying due events; raise TimeoutError after `timeout_s` seconds."""
         metrics_path = os.path.join(self.run_dir, METRICS_FILE)
@@ -865,20 +883,10 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
     for note in driver.skipped:
         print(f"[raytrain demo] skipping {note}", file=output(), flush=True)
     started = time.time()
-    outcome: dict[str, Any] = {}
-
-    def train() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as err:  # re-raised in the main thread below
-            outcome["error"] = err
-
-    training = threading.Thread(target=train, name="raytrain-demo-fit", daemon=True)
-    training.start()
     scale_down_s: float | None = None
     try:
-        driver.follow(training, options.timeout_s)
-        if isinstance(cluster, AutoscaledNodes) and "error" not in outcome:
+        result = driver.train(trainer.fit, options.timeout_s)
+        if isinstance(cluster, AutoscaledNodes):
             print(
                 f"[raytrain demo] training done; waiting for the autoscaler to remove the idle worker nodes "
                 f"(idle timeout {options.idle_timeout_s:.0f} s)",
@@ -890,9 +898,6 @@ def _run(options: DemoOptions, events: list[Event], run_name: str, external: boo
         if cluster is not None:
             ray.shutdown()
             cluster.shutdown()
-    if "error" in outcome:
-        raise outcome["error"]
-    result = outcome["result"]
     metrics = read_jsonl(result.metrics_path)
     starts = read_jsonl(result.events_path)
     completed_epochs = len(metrics) // options.epoch_steps
