@@ -1,23 +1,34 @@
-"""python benchmarks/run_all.py [--quick] [--reps 3] [--only memory,parallel]
+"""python benchmarks/run_all.py [--quick] [--reps 3] [--only memory,parallel] [--resume FILE] [--deadline-s S]
 
 One run regenerates every figure: each benchmark script runs `--reps` times (each a fresh process, so a repetition
 sees the machine as it is then), the last line of each run (its JSON headline) is kept, and every numeric figure
 is summarised as min / median / max over the repetitions. A goal is "met" only when the worst repetition meets it
 (`tables.py`). The results file is
 
-    benchmarks/results/<YYYY-MM-DD>-<commit>.json   {"machine", "versions", "commit", "date", "settings", "complete",
-                                                     "benchmarks": {name: {"runs": [...], "figures": {key:
-                                                     {"min", "median", "max"}}, "wall_s", "failed"}}}
+    benchmarks/results/<YYYY-MM-DD>-<commit>.json   {"machine", "versions", "commit", "code", "date", "settings",
+                                                     "complete", "parts", "benchmarks": {name: {"runs": [...],
+                                                     "figures": {key: {"min", "median", "max"}}, "wall_s",
+                                                     "failed"}}}
 
 and `python benchmarks/tables.py` writes README's and benchmarks/README.md's tables from it. `--quick` runs each
 script once with its own `--quick` (a smoke run: figures not meant to be read). GPU benchmarks are run only where
-CUDA is present (`gpu_check.py`, then `gpu.py`).
+CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks named, in the order named.
+
+A full run takes about 2.5 hours on a 2-core machine (`benchmarks/README.md` lists each script's time), more than
+one sitting may have. The file is written after every repetition; `--resume FILE` continues it, running only the
+repetitions it lacks, and refuses unless the code measured is the same: `code` hashes the content of every tracked
+file under raytrain/, of benchmarks/*.py and of pyproject.toml (a commit that changes only docs or results keeps
+it).
+`--deadline-s S` starts no repetition that would, at the longest time that benchmark took before (in this file or
+the newest other results file), end more than S seconds after the start: the run stops cleanly, to be resumed.
+Each invocation is one entry of `parts` (its commit, start and seconds).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -40,8 +51,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "driver_index": ["driver_index.py"],
     "checkpoint_cost": ["checkpoint_cost.py", "--reps", "1"],
     "overhead": ["overhead.py", "--reps", "1"],
-    "recovery": ["recovery.py"],
-    "recovery_live": ["recovery.py", "--live-only"],
+    "recovery": ["recovery.py"],  # its headline holds the live figures too (`recovery.py --live-only`: those alone)
     "goodput": ["goodput.py"],
     "goodput_node": ["goodput.py", "--events", "node"],
 }
@@ -83,6 +93,42 @@ def commit() -> str:
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
+
+
+CODE_PATHS = ["raytrain", "benchmarks/*.py", "pyproject.toml"]  # what `code` hashes: what a figure depends on
+
+
+def code_hash() -> str:
+    """A hash of what a figure depends on: the path and the content, as on disk now, of every tracked file in
+    `CODE_PATHS` (committed or not); "unknown" without git."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--", *CODE_PATHS], capture_output=True, text=True, cwd=HERE.parent, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    digest = hashlib.sha1()
+    for path in sorted(listed.stdout.split()):
+        file = HERE.parent / path
+        digest.update(path.encode() + b"\0" + (file.read_bytes() if file.exists() else b"<deleted>") + b"\0")
+    return digest.hexdigest()[:12]
+
+
+def longest_before(name: str, results: dict[str, Any], others: list[Path]) -> float | None:
+    """The longest one repetition of benchmark `name` took: in `results` (this run), else in the newest other full
+    results file that ran it; None where none did."""
+    seconds = results["benchmarks"].get(name, {}).get("wall_s") or []
+    if seconds:
+        return float(max(seconds))
+    for path in sorted(others, key=lambda p: p.name, reverse=True):
+        try:
+            earlier = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        seconds = earlier.get("benchmarks", {}).get(name, {}).get("wall_s") or []
+        if seconds and not earlier.get("quick"):
+            return float(max(seconds))
+    return None
 
 
 def run_once(args: list[str], quick: bool, timeout_s: float, rep: int = 0) -> tuple[dict[str, Any] | None, str, float]:
@@ -128,9 +174,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="each script once with --quick (a smoke run)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each script (default %(default)s)")
-    parser.add_argument("--only", default="", help="comma-separated benchmark names (default: all)")
+    parser.add_argument("--only", default="", help="comma-separated benchmark names, run in that order (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default %(default)s)")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<date>-<commit>.json)")
+    parser.add_argument("--resume", default=None, help="a results file to continue: only its missing repetitions run")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no repetition expected to end later than this many seconds after the start",
+    )
     parser.add_argument(
         "--commit",
         default=None,
@@ -146,49 +199,85 @@ def main() -> None:
     except ImportError:
         pass
     if args.only:
-        wanted = set(args.only.split(","))
-        unknown = wanted - set(chosen)
+        wanted = [name for name in args.only.split(",") if name]
+        unknown = sorted(set(wanted) - set(chosen))
         if unknown:
-            parser.error(f"unknown benchmark(s) {sorted(unknown)}; known: {sorted(chosen)}")
-        chosen = {name: argv for name, argv in chosen.items() if name in wanted}
+            parser.error(f"unknown benchmark(s) {unknown}; known: {sorted(chosen)}")
+        chosen = {name: chosen[name] for name in wanted}
     reps = 1 if args.quick else args.reps
     started = time.monotonic()
-    results: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": args.commit or commit(),
-        "machine": machine(),
-        "quick": args.quick,
-        "reps": reps,
-        "settings": {name: argv for name, argv in chosen.items()},
-        "benchmarks": {},
-        "complete": False,  # True once every chosen benchmark ran
-    }
-    day = results["date"][:10]
-    out = Path(args.out) if args.out else RESULTS / f"{day}-{results['commit']}{'-quick' if args.quick else ''}.json"
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    here_commit, code = args.commit or commit(), code_hash()
+    if args.resume:
+        out = Path(args.resume)
+        results = json.loads(out.read_text())
+        if results.get("code") != code or code == "unknown":
+            parser.error(
+                f"--resume {out}: it measured code {results.get('code')!r}, this tree is {code!r}: a resumed run "
+                "must measure the same code (raytrain/, benchmarks/*.py and pyproject.toml as they were)"
+            )
+        if results.get("reps") != reps or bool(results.get("quick")) != args.quick:
+            parser.error(
+                f"--resume {out}: it ran reps={results.get('reps')} quick={results.get('quick')}, "
+                f"this run asks reps={reps} quick={args.quick}: pass the same --reps and --quick"
+            )
+        results["settings"].update(chosen)
+    else:
+        results = {
+            "date": now,
+            "commit": here_commit,
+            "code": code,
+            "machine": machine(),
+            "quick": args.quick,
+            "reps": reps,
+            "settings": {name: argv for name, argv in chosen.items()},
+            "benchmarks": {},
+            "parts": [],
+        }
+        day = results["date"][:10]
+        name = f"{day}-{results['commit']}{'-quick' if args.quick else ''}.json"
+        out = Path(args.out) if args.out else RESULTS / name
+    results["complete"] = False  # True once every chosen benchmark has all its repetitions
+    part = {"commit": here_commit, "date": now, "wall_s": 0.0}
+    results.setdefault("parts", []).append(part)
     out.parent.mkdir(parents=True, exist_ok=True)
+    others = [p for p in RESULTS.glob("*.json") if p.resolve() != out.resolve()]
+    stopped = None
     for name, argv in chosen.items():
-        runs, tails, seconds = [], [], []
-        for rep in range(reps):
+        entry = results["benchmarks"].setdefault(name, {"runs": [], "figures": {}, "wall_s": [], "failed": []})
+        for rep in range(len(entry["wall_s"]), reps):
+            expected = longest_before(name, results, others)
+            elapsed = time.monotonic() - started
+            if args.deadline_s is not None and elapsed + (expected or 0.0) > args.deadline_s:
+                stopped = f"{name} {rep + 1}/{reps} (up to {expected or 0:.0f} s) would end past --deadline-s"
+                break
             headline, tail, took = run_once(argv, args.quick, args.timeout, rep)
             print(f"[run_all] {name} {rep + 1}/{reps}: {'ok' if headline else 'FAILED'} in {took:.0f} s", flush=True)
-            seconds.append(round(took, 1))
+            entry["wall_s"].append(round(took, 1))
             if headline is None:
-                tails.append(tail)
+                entry["failed"].append(tail)
             else:
-                runs.append(headline)
-        results["benchmarks"][name] = {
-            "runs": runs,
-            "figures": summarise(runs),
-            "wall_s": seconds,
-            "failed": tails,
-        }
-        # Written after every benchmark: a run stopped part-way keeps what it measured (`complete` stays False)
-        results["wall_s"] = round(time.monotonic() - started, 1)
-        out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    results["complete"] = True
+                entry["runs"].append(headline)
+            entry["figures"] = summarise(entry["runs"])
+            # Written after every repetition: a run stopped part-way keeps what it measured (`complete` stays False)
+            part["wall_s"] = round(time.monotonic() - started, 1)
+            results["wall_s"] = round(sum(p["wall_s"] for p in results["parts"]), 1)
+            out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+        if stopped:
+            break
+    results["complete"] = stopped is None and all(
+        len(results["benchmarks"].get(name, {}).get("wall_s", [])) == reps for name in chosen
+    )
+    part["wall_s"] = round(time.monotonic() - started, 1)
+    results["wall_s"] = round(sum(p["wall_s"] for p in results["parts"]), 1)
     out.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     failed = [name for name, b in results["benchmarks"].items() if b["failed"]]
-    print(f"[run_all] wrote {out} in {results['wall_s']:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    print(
+        f"[run_all] wrote {out} in {part['wall_s']:.0f} s"
+        + (f"; stopped before {stopped}: continue with --resume {out}" if stopped else "")
+        + (f"; FAILED: {', '.join(failed)}" if failed else ""),
+        flush=True,
+    )
     sys.exit(1 if failed else 0)
 
 

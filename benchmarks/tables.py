@@ -146,15 +146,15 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         "the same fraction between two runs without checkpoints (A/A): the noise floor",
         None,
     ),
-    ("recovery_live", "live_kill_pause_s", "live recovery: the survivors' stall after a kill, s", None),
-    ("recovery_live", "live_heal_s", "live recovery: kill → first step at the pre-kill size again, s", None),
+    ("recovery", "live_kill_pause_s", "live recovery: the survivors' stall after a kill, s", None),
+    ("recovery", "live_heal_s", "live recovery: kill → first step at the pre-kill size again, s", None),
     (
-        "recovery_live",
+        "recovery",
         "live_add_grown_s",
         "live recovery: a node added → first step a new replica group committed in, s",
         None,
     ),
-    ("recovery_live", "live_loss_max_diff", "live recovery: loss vs the run without kills", ("<=", 1e-4)),
+    ("recovery", "live_loss_max_diff", "live recovery: loss vs the run without kills", ("<=", 1e-4)),
     ("goodput", "goodput_bare", "goodput, a SIGKILL every 50 steps: bare Ray Train, restart from its checkpoint", None),
     ("goodput", "goodput_restart", "goodput, the same kills: raytrain, recovery restart", None),
     ("goodput", "goodput_live", "goodput, the same kills: raytrain, recovery live (ddp replicas)", None),
@@ -190,6 +190,16 @@ def results_files() -> list[Path]:
     return sorted(files, key=lambda p: (json.loads(p.read_text())["date"], p.name))
 
 
+def resumed(results: dict[str, Any]) -> str:
+    """ "" or, for a run continued with `run_all.py --resume`, how many sittings it took and the code they measured
+    (one `code` hash: the same code in every part)."""
+    parts = results.get("parts") or []
+    if len(parts) < 2:
+        return ""
+    commits = ", ".join(part["commit"] for part in parts)
+    return f", run in {len(parts)} parts on code {results.get('code')} (commits {commits})"
+
+
 def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
     """One results dict holding, for each benchmark, its entry from the newest file in which it ran without a
     failure (a `run_all.py --only` run replaces only the benchmarks it ran), and the header naming every file
@@ -211,7 +221,7 @@ def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
         machine = results["machine"]
         parts.append(
             f"{', '.join(sorted(benches))} from `benchmarks/results/{path.name}` ({results['date'][:10]}, commit "
-            f"{results['commit']}, {results['reps']} repetition(s); {machine.get('cpus')} CPUs, "
+            f"{results['commit']}{resumed(results)}, {results['reps']} repetition(s); {machine.get('cpus')} CPUs, "
             f"{machine.get('memory_gb')} GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, "
             f"ray {machine.get('ray')})"
         )
@@ -257,7 +267,7 @@ def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
     if head is None:
         machine = results["machine"]
         head = (
-            f"From `benchmarks/results/{name}` ({results['date'][:10]}, commit {results['commit']}, "
+            f"From `benchmarks/results/{name}` ({results['date'][:10]}, commit {results['commit']}{resumed(results)}, "
             f"{results['reps']} repetition(s) per script; {machine.get('cpus')} CPUs, {machine.get('memory_gb')} "
             f"GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, ray {machine.get('ray')}):"
         )

@@ -229,6 +229,59 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     assert "(`overhead_ratio`) | 0.5 | >= 0.97: **missed**" in render(merged, "", head)
 
 
+def test_run_all_resumes_only_the_same_code_and_stops_before_a_deadline(tmp_path: Path) -> None:
+    """`run_all.py --resume FILE` continues a results file, running only the repetitions it lacks, and only when
+    the code it measured is this tree's; `--deadline-s` starts no repetition its benchmark's longest earlier one
+    says would end too late. No benchmark runs here: each case is decided before one would start."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from run_all import code_hash
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+
+    def run_all(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, str(REPO / "benchmarks" / "run_all.py"), *args]
+        return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+    def results_file(code: str, reps: int, wall_s: list[float]) -> Path:
+        run = {"syncs_per_step_raytrain": 1.0}
+        entry = {"runs": [run] * len(wall_s), "figures": {}, "wall_s": wall_s, "failed": []}
+        results = {
+            "date": "2026-12-04T00:00:00+00:00",
+            "commit": "abc",
+            "code": code,
+            "machine": {},
+            "quick": False,
+            "reps": reps,
+            "settings": {},
+            "benchmarks": {"communication": entry},
+            "parts": [{"commit": "abc", "date": "2026-12-04T00:00:00+00:00", "wall_s": sum(wall_s)}],
+            "complete": False,
+        }
+        path = tmp_path / f"{code}-{reps}.json"
+        path.write_text(json.dumps(results))
+        return path
+
+    # every repetition there: nothing runs, the file is complete, the sitting is its second part
+    done_file = results_file(code_hash(), 2, [50.0, 52.0])
+    done = run_all("--reps", "2", "--only", "communication", "--resume", str(done_file))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done_results = json.loads(done_file.read_text())
+    assert done_results["complete"] and len(done_results["parts"]) == 2
+    assert done_results["benchmarks"]["communication"]["wall_s"] == [50.0, 52.0]
+    # one repetition missing, but it took up to 52 s before: a 10 s deadline stops before it, to be resumed
+    short_file = results_file(code_hash(), 3, [50.0, 52.0])
+    short = run_all("--only", "communication", "--resume", str(short_file), "--deadline-s", "10")
+    assert short.returncode == 0, short.stdout[-3000:] + short.stderr[-3000:]
+    assert "communication 3/3 (up to 52 s) would end past --deadline-s" in short.stdout
+    assert f"continue with --resume {short_file}" in short.stdout
+    short_results = json.loads(short_file.read_text())
+    assert not short_results["complete"] and short_results["benchmarks"]["communication"]["wall_s"] == [50.0, 52.0]
+    # other code measured: refused, naming both hashes
+    other = run_all("--only", "communication", "--resume", str(results_file("0123456789ab", 3, [50.0])))
+    assert other.returncode == 2
+    assert "it measured code '0123456789ab'" in other.stderr and f"this tree is {code_hash()!r}" in other.stderr
+
+
 def test_a_live_kills_pause_is_measured_past_a_step_the_killed_group_had_already_joined() -> None:
     """recovery.py's `kill_timeline` (pure): a step committed at the old size just after the kill (the killed
     group had contributed to it) does not end the pause; the pause is the longest interval until the first step at

@@ -425,8 +425,9 @@ class EventDriver:
     ) -> None:
         self.kill = kill  # live mode: the run kills one of its replicas (the worker pids are not in events.jsonl)
         # live mode: the node id a removal or drain hits, that of a training replica group (`LiveRun.event_node`):
-        # the newest node may hold a group still being placed or healed, whose loss is another scenario
-        self.target = target
+        # the newest node may hold a group still being placed or healed, whose loss is another scenario; None: the
+        # newest node (restart mode)
+        self.target: Callable[[], str | None] = target or (lambda: None)
         self.pending = list(events)
         self.run_dir, self.cluster = run_dir, cluster
         self.last_poll = 0.0
@@ -451,7 +452,7 @@ class EventDriver:
             self.skipped.append(f"{event.kind}@{event.step}: needs the demo's own fake-node cluster")
             return
         elif event.kind == "drain":
-            detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S, self._target())
+            detail, node = self.cluster.drain_node(DRAIN_DEADLINE_S, self.target())
             applied = AppliedEvent(event.kind, event.step, step, time.time(), detail)
             self.timed.append((applied.time + DRAIN_DEADLINE_S, node, applied))
             self.applied.append(applied)
@@ -459,16 +460,12 @@ class EventDriver:
             assert isinstance(self.cluster, AutoscaledNodes)
             detail = self.cluster.reclaim_node()
         elif event.kind == "remove":
-            detail = self.cluster.remove_node(node_id=self._target())
+            detail = self.cluster.remove_node(node_id=self.target())
         else:
             detail = self.cluster.add_node()
         if event.kind != "drain":
             self.applied.append(AppliedEvent(event.kind, event.step, step, time.time(), detail))
         print(f"[raytrain demo] step {step}: {event.kind}: {detail}", file=output(), flush=True)
-
-    def _target(self) -> str | None:
-        """The node id a removal or drain hits (live mode), None for the newest node (restart mode)."""
-        return self.target() if self.target is not None else None
 
     def _note_recoveries(self) -> None:
         starts = read_jsonl(os.path.join(self.run_dir, EVENTS_FILE))
@@ -511,13 +508,13 @@ class EventDriver:
         what `fit` returned, or raise what it raised, here. TimeoutError after `timeout_s` seconds."""
         outcome: dict[str, Any] = {}
 
-        def train() -> None:
+        def run() -> None:
             try:
                 outcome["result"] = fit()
             except BaseException as err:  # re-raised in the calling thread below
                 outcome["error"] = err
 
-        training = threading.Thread(target=train, name=name, daemon=True)
+        training = threading.Thread(target=run, name=name, daemon=True)
         training.start()
         self.follow(training, timeout_s)
         if "error" in outcome:
