@@ -17,8 +17,8 @@ CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks na
 A full run takes about 2.5 hours on a 2-core machine (`benchmarks/README.md` lists each script's time), more than
 one sitting may have. The file is written after every repetition; `--resume FILE` continues it, running only the
 repetitions it lacks, and refuses unless the code measured is the same: `code` hashes the content of every tracked
-file under raytrain/, of benchmarks/*.py and of pyproject.toml (a commit that changes only docs or results keeps
-it).
+file under raytrain/, of benchmarks/*.py but tables.py and of pyproject.toml (a commit that changes only docs,
+results or the tables' rendering keeps it).
 `--deadline-s S` starts no repetition that would, at the longest time that benchmark took before (in this file or
 the newest other results file), end more than S seconds after the start: the run stops cleanly, to be resumed.
 Each invocation is one entry of `parts` (its commit, start and seconds).
@@ -95,7 +95,8 @@ def commit() -> str:
         return "unknown"
 
 
-CODE_PATHS = ["raytrain", "benchmarks/*.py", "pyproject.toml"]  # what `code` hashes: what a figure depends on
+# what `code` hashes: what a figure depends on (tables.py only renders the figures)
+CODE_PATHS = ["raytrain", "benchmarks/*.py", ":(exclude)benchmarks/tables.py", "pyproject.toml"]
 
 
 def code_hash() -> str:
