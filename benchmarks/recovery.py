@@ -22,11 +22,13 @@ checkpoints, beside Ray Train's bare worker-group start and restart measured in 
                     after the kill), steps trained again, and against the same run without events: survivors'
                     pids, the batch, the audit, the loss (issue 17); the heal: from each kill to the first step
                     committed at its pre-kill size again after the drop, and the longest interval between committed
-                    steps until then (the add comes 30 steps, >= 5 s, after the second kill: its replacement has
-                    joined by then, the heal taking < 4 s here, so the growth is the added node's group); and the
-                    growth (`live_add_grown_s`): from
-                    the node's arrival to the first step committed at a larger world (a new replica group placed,
-                    built and healed from a peer while the others trained)
+                    steps until then (the add comes 90 steps, ~12 s, after the second kill: its replacement has
+                    joined by then, the heal taking 3.4-6 s here, so the growth is the added node's group); and
+                    the growth (`live_add_grown_s`): from the node's arrival to the first step committed at a
+                    larger world (a new replica group placed, built and healed from a peer while the others
+                    trained). Should a heal still be under way at the add (the world then below its largest size
+                    so far), the next larger world could be the heal's, not the node's: the growth is then not
+                    measured (None, a miss) rather than read from the heal
     autoscale       `raytrain demo --autoscale`: Ray's autoscaler over cluster.yaml's node types, no worker node at
                     the start; `autoscale_grow_s` from fit() to the first step at 3 workers (nodes launched for
                     the trainer's demand), `replace_s` from a node reclaimed by the provider (no notice) to the
@@ -92,11 +94,13 @@ AUTOSCALE_RUN = [
 ]
 # Live recovery: the same cluster and workers as the restart path's kill, two kills far enough apart for the first
 # replacement to join (it builds in seconds on this machine), then a node added (room for a 4th replica group), and
-# the same run without events as the reference. 200 steps (~40 s): long enough after each event for a new group
-# (~10 s to start here) to join, so that the heal back to full size and the growth are measured.
-LIVE_RUN = ["--nodes", "3", "--workers", "2:4", "--steps", "200", "--sample-time", "0.01", "--checkpoint-every", "4"]
+# the same run without events as the reference. 300 steps (~40 s at ~0.13 s a step): 90 steps (~12 s) from the
+# second kill to the add, for its replacement (~6 s to heal here) to have joined, and 120 steps (~16 s) after the
+# add for the node to start and a new group (~6 s to start here) to join, so that the heals and the growth are
+# measured (with 200 steps and the add at 150 the run ended before the 4th group joined: "never joined").
+LIVE_RUN = ["--nodes", "3", "--workers", "2:4", "--steps", "300", "--sample-time", "0.01", "--checkpoint-every", "4"]
 LIVE_RUN += ["--recovery", "live", "--audit-samples"]
-LIVE_EVENTS = "kill@10,kill@90,add@120"
+LIVE_EVENTS = "kill@10,kill@90,add@180"
 MONITOR_INTERVAL_S = 1.0  # the demo's resize monitor interval
 LIBRARY_MONITOR_INTERVAL_S = 5.0  # ClusterConfig.resize_monitor_interval_s's default
 BARE_STEP_S, BARE_CHECKPOINT_EVERY = 0.08, 4  # the demo's per-rank compute at 8 samples x 0.01 s; its checkpoints
@@ -185,6 +189,17 @@ def kill_timeline(metrics: list[dict[str, Any]], kill_time: float) -> dict[str, 
     }
 
 
+def add_growth(metrics: list[dict[str, Any]], event: dict[str, Any]) -> float | None:
+    """Pure: a live run's node-add event's `grown_s` (the demo's: the add -> the first step committed at a larger
+    world than at the add), or None where the world at the add was below the largest it had reached before (a
+    kill's replacement still healing: the next larger world may be the heal's, not the added node's group)."""
+    before = [m["world_size"] for m in metrics if m["step"] <= event["applied_step"]]  # as the demo splits them
+    if not before or before[-1] < max(before):
+        return None
+    grown: float | None = event["grown_s"]
+    return grown
+
+
 def live(storage: str) -> dict[str, Any]:
     """`raytrain demo --recovery live` with two kills and a node added, beside the same run without events: each
     kill's timeline (`kill_timeline`), the node's growth, the steps trained again, and the done-when checks:
@@ -209,8 +224,8 @@ def live(storage: str) -> dict[str, Any]:
         "world_sizes": killed["world_sizes"],
         "pause_s": [h["pause_s"] for h in heals],
         # a node added: from its arrival to the first step committed at a larger world (a group placed, built and
-        # healed from a peer while the others trained)
-        "grown_s": [e["grown_s"] for e in killed["events"] if e["kind"] == "add"],
+        # healed from a peer while the others trained); None where a heal was still under way at the add
+        "grown_s": [add_growth(metrics, e) for e in killed["events"] if e["kind"] == "add"],
         "steps_retrained": info["steps_retrained"],
         "restarts": info["restarts"],
         "survivors": survivors,

@@ -301,6 +301,23 @@ def test_a_live_kills_pause_is_measured_past_a_step_the_killed_group_had_already
     assert kill_timeline(metrics[:4], 10.0)["to_full_s"] is None  # never back to full size
 
 
+def test_a_node_adds_growth_is_not_read_from_a_heal_still_under_way() -> None:
+    """recovery.py's `add_growth` (pure): the demo's `grown_s` (the add -> the first step at a larger world than
+    at the add) is kept where the world at the add was the largest so far, and is None (a miss) where a kill's
+    replacement was still healing then: the next larger world could be the heal's, not the added node's group."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from recovery import add_growth
+
+    def m(step: int, world: int) -> dict[str, Any]:
+        return {"step": step, "time": step / 10, "world_size": world}
+
+    add = {"kind": "add", "applied_step": 150, "time": 15.0, "grown_s": 0.05}
+    healing = [m(80, 3), m(95, 2), m(150, 2), m(151, 3)]  # killed at 90, not back to 3 by the add at 150
+    assert add_growth(healing, add) is None
+    healed = [m(80, 3), m(95, 2), m(120, 3), m(150, 3), m(170, 4)]
+    assert add_growth(healed, {**add, "grown_s": 2.0}) == 2.0
+
+
 def test_a_goal_whose_a_a_control_strays_past_its_margin_is_marked_within_noise() -> None:
     """tables.py's verdict (pure): `overhead_ratio` >= 0.97 judged with its A/A control; a control within 0.03 of
     1 leaves the verdict alone, one that strayed further names its range, met or missed."""
