@@ -202,15 +202,17 @@ def resumed(results: dict[str, Any]) -> str:
 
 def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
     """One results dict holding, for each benchmark, its entry from the newest file in which it ran without a
-    failure (a `run_all.py --only` run replaces only the benchmarks it ran; a benchmark no row reads is left
-    out), and the header naming every file used: which benchmarks came from which file, its date, commit and
-    repetitions."""
+    failure and with all its repetitions (a `run_all.py --only` run replaces only the benchmarks it ran; one
+    stopped part-way by `--deadline-s` only those it finished; a benchmark no row reads is left out), and the
+    header naming every file used: which benchmarks came from which file, its date, commit and repetitions."""
     chosen: dict[str, tuple[Path, dict[str, Any]]] = {}
     shown = {bench for bench, _, _, _ in ROWS}  # a benchmark no row reads (one retired) is not named
     for path in files:
         results = json.loads(path.read_text())
         for bench, entry in results["benchmarks"].items():
-            if bench in shown and entry.get("runs") and not entry.get("failed"):
+            runs = entry.get("runs") or []
+            # every repetition there (a run stopped part-way, to be resumed, has fewer: not yet its figure)
+            if bench in shown and len(runs) >= results.get("reps", 1) and not entry.get("failed"):
                 chosen[bench] = (path, results)
     if not chosen:
         sys.exit("no results file in benchmarks/results/: run python benchmarks/run_all.py first")

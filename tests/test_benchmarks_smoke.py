@@ -227,6 +227,14 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     assert f"communication from `benchmarks/results/{out.name}`" in head
     assert f"overhead from `benchmarks/results/{second.name}`" in head
     assert "(`overhead_ratio`) | 0.5 | >= 0.97: **missed**" in render(merged, "", head)
+    # A still newer run of 3 repetitions stopped (`--deadline-s`) after one repetition of overhead: not yet its
+    # figure, the complete older one stays
+    partial = {**later, "date": "3000-01-01T00:00:00+00:00", "reps": 3}
+    partial["benchmarks"] = {"overhead": {**later["benchmarks"]["overhead"], "runs": [{"overhead_ratio": 0.9}]}}
+    third = tmp_path / "3000-01-01-ghi.json"
+    third.write_text(json.dumps(partial))
+    merged, head = newest_per_benchmark([out, second, third])
+    assert f"overhead from `benchmarks/results/{second.name}`" in head and third.name not in head
 
 
 def test_run_all_resumes_only_the_same_code_and_stops_before_a_deadline(tmp_path: Path) -> None:
