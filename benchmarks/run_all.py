@@ -16,7 +16,8 @@ CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks na
 
 A full run takes about 2.5 hours on a 2-core machine (`benchmarks/README.md` lists each script's time), more than
 one sitting may have. The file is written after every repetition; `--resume FILE` continues it, running only the
-repetitions it lacks, and refuses unless the code measured is the same: `code` hashes the content of every tracked
+repetitions it lacks (a repetition that failed is run again: its traceback stays under "failed"), and refuses
+unless the code measured is the same: `code` hashes the content of every tracked
 file under raytrain/, of benchmarks/*.py but tables.py and of pyproject.toml (a commit that changes only docs,
 results or the tables' rendering keeps it).
 `--deadline-s S` starts no repetition that would, at the longest time that benchmark took before (in this file or
@@ -134,15 +135,20 @@ def longest_before(name: str, results: dict[str, Any], others: list[Path]) -> fl
 
 def run_once(args: list[str], quick: bool, timeout_s: float, rep: int = 0) -> tuple[dict[str, Any] | None, str, float]:
     """One run of a benchmark script: (its headline, the tail of its output, seconds). `rep` (0-based) reaches the
-    script as BENCHMARK_REP, so that a script alternating its runs starts each repetition with another one."""
+    script as BENCHMARK_REP, so that a script alternating its runs starts each repetition with another one. The
+    tail of a failed run holds the last lines of its standard error too (the traceback says why it failed)."""
     command = [sys.executable, str(HERE / args[0]), *args[1:], *(["--quick"] if quick else [])]
     started = time.monotonic()
     env = {**os.environ, "BENCHMARK_REP": str(rep)}
+
+    def text(stream: str | bytes | None) -> str:
+        return stream.decode(errors="replace") if isinstance(stream, bytes) else (stream or "")
+
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=HERE, env=env)
-        output, code = done.stdout, done.returncode
+        output, errors, code = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as err:
-        output, code = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or ""), -9
+        output, errors, code = text(err.stdout), text(err.stderr) + f"\ntimed out after {timeout_s:.0f} s", -9
     seconds = time.monotonic() - started
     lines = [line for line in output.strip().splitlines() if line.strip()]
     headline = None
@@ -151,7 +157,11 @@ def run_once(args: list[str], quick: bool, timeout_s: float, rep: int = 0) -> tu
             headline = json.loads(lines[-1])
         except json.JSONDecodeError:
             headline = None
-    return headline, "\n".join(lines[-20:]), seconds
+    tail = lines[-20:]
+    if headline is None:
+        tail += [f"--- standard error (exit status {code}), last lines:"]
+        tail += [line for line in errors.strip().splitlines() if line.strip()][-20:]
+    return headline, "\n".join(tail), seconds
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -246,7 +256,7 @@ def main() -> None:
     stopped = None
     for name, argv in chosen.items():
         entry = results["benchmarks"].setdefault(name, {"runs": [], "figures": {}, "wall_s": [], "failed": []})
-        for rep in range(len(entry["wall_s"]), reps):
+        for rep in range(len(entry["runs"]), reps):  # a failed repetition is lacking: a resumed run tries it again
             expected = longest_before(name, results, others)
             elapsed = time.monotonic() - started
             if args.deadline_s is not None and elapsed + (expected or 0.0) > args.deadline_s:
@@ -267,7 +277,7 @@ def main() -> None:
         if stopped:
             break
     results["complete"] = stopped is None and all(
-        len(results["benchmarks"].get(name, {}).get("wall_s", [])) == reps for name in chosen
+        len(results["benchmarks"].get(name, {}).get("runs", [])) >= reps for name in chosen
     )
     part["wall_s"] = round(time.monotonic() - started, 1)
     results["wall_s"] = round(sum(p["wall_s"] for p in results["parts"]), 1)

@@ -201,10 +201,11 @@ def resumed(results: dict[str, Any]) -> str:
 
 
 def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
-    """One results dict holding, for each benchmark, its entry from the newest file in which it ran without a
-    failure and with all its repetitions (a `run_all.py --only` run replaces only the benchmarks it ran; one
-    stopped part-way by `--deadline-s` only those it finished; a benchmark no row reads is left out), and the
-    header naming every file used: which benchmarks came from which file, its date, commit and repetitions."""
+    """One results dict holding, for each benchmark, its entry from the newest file in which it has the figures of
+    all its repetitions (a `run_all.py --only` run replaces only the benchmarks it ran; one stopped part-way by
+    `--deadline-s` only those it finished; a repetition that failed counts once a resumed run ran it again; a
+    benchmark no row reads is left out), and the header naming every file used: which benchmarks came from which
+    file, its date, commit, repetitions and failed repetitions run again."""
     chosen: dict[str, tuple[Path, dict[str, Any]]] = {}
     shown = {bench for bench, _, _, _ in ROWS}  # a benchmark no row reads (one retired) is not named
     for path in files:
@@ -212,7 +213,7 @@ def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
         for bench, entry in results["benchmarks"].items():
             runs = entry.get("runs") or []
             # every repetition there (a run stopped part-way, to be resumed, has fewer: not yet its figure)
-            if bench in shown and len(runs) >= results.get("reps", 1) and not entry.get("failed"):
+            if bench in shown and len(runs) >= results.get("reps", 1):  # a failed one run again counts once it ran
                 chosen[bench] = (path, results)
     if not chosen:
         sys.exit("no results file in benchmarks/results/: run python benchmarks/run_all.py first")
@@ -223,14 +224,20 @@ def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
     for path, benches in sorted(by_file.items(), key=lambda item: item[0].name):
         results = json.loads(path.read_text())
         machine = results["machine"]
+        failures = [
+            f"{bench} {len(results['benchmarks'][bench]['failed'])}"
+            for bench in sorted(benches)
+            if results["benchmarks"][bench].get("failed")
+        ]
         parts.append(
             f"{', '.join(sorted(benches))} from `benchmarks/results/{path.name}` ({results['date'][:10]}, commit "
-            f"{results['commit']}{resumed(results)}, {results['reps']} repetition(s); {machine.get('cpus')} CPUs, "
-            f"{machine.get('memory_gb')} GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, "
-            f"ray {machine.get('ray')})"
+            f"{results['commit']}{resumed(results)}, {results['reps']} repetition(s)"
+            + (f", failed and run again: {', '.join(failures)} (tracebacks in the file)" if failures else "")
+            + f"; {machine.get('cpus')} CPUs, {machine.get('memory_gb')} GB, GPU: {machine.get('gpu') or 'none'}; "
+            f"torch {machine.get('torch')}, ray {machine.get('ray')})"
         )
     merged = {"benchmarks": {bench: results["benchmarks"][bench] for bench, (_, results) in chosen.items()}}
-    return merged, "From " + "; ".join(parts) + ":"
+    return merged, "Sources: " + "; ".join(parts) + "."
 
 
 def _number(value: float) -> str:

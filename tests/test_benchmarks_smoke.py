@@ -217,7 +217,7 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
 
     later = json.loads(out.read_text())
     later["date"] = "2999-01-01T00:00:00+00:00"
-    later["benchmarks"]["communication"]["failed"] = ["Traceback ..."]
+    later["benchmarks"]["communication"].update(runs=[], figures={}, failed=["Traceback ..."])  # it failed
     later["benchmarks"]["overhead"] = {"runs": [{"overhead_ratio": 0.5}], "failed": [], "figures": {}}
     later["benchmarks"]["overhead"]["figures"]["overhead_ratio"] = {"min": 0.5, "median": 0.5, "max": 0.5, "n": 1}
     second = tmp_path / "2999-01-01-def.json"
@@ -235,6 +235,14 @@ def test_run_all_writes_a_results_file_and_the_tables_come_from_it(tmp_path: Pat
     third.write_text(json.dumps(partial))
     merged, head = newest_per_benchmark([out, second, third])
     assert f"overhead from `benchmarks/results/{second.name}`" in head and third.name not in head
+    # The failed communication repetition run again by `--resume`: its figures count, the header says it failed once
+    rerun = {**later, "date": "3001-01-01T00:00:00+00:00"}
+    rerun["benchmarks"] = {"communication": {**results["benchmarks"]["communication"], "failed": ["Traceback ..."]}}
+    fourth = tmp_path / "3001-01-01-jkl.json"
+    fourth.write_text(json.dumps(rerun))
+    merged, head = newest_per_benchmark([out, second, third, fourth])
+    assert f"communication from `benchmarks/results/{fourth.name}`" in head
+    assert "failed and run again: communication 1 (tracebacks in the file)" in head
 
 
 def test_run_all_resumes_only_the_same_code_and_stops_before_a_deadline(tmp_path: Path) -> None:
@@ -284,6 +292,14 @@ def test_run_all_resumes_only_the_same_code_and_stops_before_a_deadline(tmp_path
     assert f"continue with --resume {short_file}" in short.stdout
     short_results = json.loads(short_file.read_text())
     assert not short_results["complete"] and short_results["benchmarks"]["communication"]["wall_s"] == [50.0, 52.0]
+    # a repetition that failed is lacking too: the resumed run would run it again (here stopped by the deadline)
+    failed_file = results_file(code_hash(), 2, [50.0, 52.0])
+    failed = json.loads(failed_file.read_text())
+    failed["benchmarks"]["communication"].update(runs=[{"syncs_per_step_raytrain": 1.0}], failed=["Traceback ..."])
+    failed_file.write_text(json.dumps(failed))
+    retry = run_all("--reps", "2", "--only", "communication", "--resume", str(failed_file), "--deadline-s", "10")
+    assert "communication 2/2 (up to 52 s) would end past --deadline-s" in retry.stdout, retry.stdout[-3000:]
+    assert not json.loads(failed_file.read_text())["complete"]
     # other code measured: refused, naming both hashes
     other = run_all("--only", "communication", "--resume", str(results_file("0123456789ab", 3, [50.0])))
     assert other.returncode == 2
@@ -344,3 +360,17 @@ def test_a_goal_whose_a_a_control_strays_past_its_margin_is_marked_within_noise(
     noisy = render(results((0.83, 1.28), (0.93, 1.39)), "", "head")
     assert ">= 0.97: **missed** (within noise: A/A `control_ratio` 0.93-1.39) |" in noisy
     assert ">= 0.97: met (within noise" in render(results((0.99, 1.0), (0.9, 1.1)), "", "head")
+
+
+def test_a_failed_benchmark_run_keeps_the_end_of_its_standard_error(tmp_path: Path) -> None:
+    """A repetition that fails keeps why: its traceback is on standard error (a goodput_node repetition failed with
+    only its progress lines kept, the cause lost)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from run_all import run_once
+
+    script = tmp_path / "fails.py"
+    script.write_text("print('[bench] step 49: remove')\nraise RuntimeError('Connection reset by peer')\n")
+    headline, tail, _ = run_once([str(script)], False, 60)
+    assert headline is None
+    assert "[bench] step 49: remove" in tail and "RuntimeError: Connection reset by peer" in tail, tail
+    assert "exit status 1" in tail

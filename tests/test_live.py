@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,50 @@ def test_a_killed_replica_costs_one_redone_step_and_the_batch_stays_exact(tmp_pa
     rejoined = [line for line in records["r2-replacement"] if line.get("committed")]
     assert rejoined and min(line["step"] for line in rejoined) >= killed > 0  # healed from a peer, then took part
     assert any(line["participants"] == 3 for line in rejoined)
+
+
+def _peer_of_a_group(rank: int, port: int, results: Any) -> None:
+    """Rank 1 of a two-rank gloo group dies as a removed node's process does (its sockets close, no goodbye); rank 0
+    then runs the all-gather FSDP runs before each forward (`all_gather_single`) and reports what it raised."""
+    import torch.distributed as dist
+
+    from raytrain.live.replica import peer_failure
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.barrier()
+    if rank == 1:
+        os._exit(9)
+    time.sleep(0.5)  # its process is gone
+    try:
+        dist.all_gather_single(torch.zeros(4), torch.ones(2))
+        results.put(("no error", None))
+    except Exception as err:
+        results.put((f"{type(err).__name__}: {err}", peer_failure(err)))
+    results.close()
+    results.join_thread()  # sent before the exit below
+    os._exit(0)  # a group with a dead rank cannot be destroyed cleanly
+
+
+def test_a_collective_broken_by_a_dead_peer_is_a_lost_replica_and_the_users_error_is_not() -> None:
+    """When a node goes, a replica group's ranks die one by one: the first death breaks the others' FSDP / tp
+    collectives, which raise before their own process ends (a live_hsdp benchmark run failed so: the driver took
+    a gloo "Connection reset by peer" for the user's error and ended the run). `peer_failure` tells that error,
+    from a real gloo group whose peer died, from the user's code's errors, which must still fail the run once."""
+    from raytrain.live.replica import peer_failure
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_peer_of_a_group, args=(rank, port, results)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    raised, why = results.get(timeout=120)
+    for process in ranks:
+        process.join(timeout=30)
+    assert why is not None and "gloo" not in why, (raised, why)  # the cause's first sentence, not gloo's source path
+    assert why.startswith("RuntimeError: ") and "peer" in why.lower(), (raised, why)
+    for users_error in (ValueError("labels out of range"), RuntimeError("mat1 and mat2 shapes cannot be multiplied")):
+        assert peer_failure(users_error) is None
+    assert peer_failure(torch.distributed.DistNetworkError("Connection reset by peer")) is not None

@@ -53,8 +53,30 @@ class Quorum:
 
 
 class LiveReplicaLost(RuntimeError):
-    """This replica cannot go on live: its quorum failed (a timeout, the lighthouse gone) or it found no peer to
-    heal from. The driver treats it as a lost replica, never as a bug in the user's code."""
+    """This replica cannot go on live: its quorum failed (a timeout, the lighthouse gone), it found no peer to
+    heal from, or a collective inside its group failed because another rank of the group is gone. The driver
+    treats it as a lost replica, never as a bug in the user's code."""
+
+
+# What gloo's transport says when the other end of a pair went away (gloo raises a plain RuntimeError whose message
+# names its transport source file; NCCL and the stores raise `torch.distributed.DistError` subclasses)
+_GLOO_TRANSPORT = "gloo/transport/"
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """Pure: why `err`, raised by a collective of a replica group's own process group (FSDP's all-gather, tp's
+    all-reduce), says a peer rank of the group is gone rather than the user's code failing: the first sentence of a
+    `torch.distributed.DistError` (NCCL, a store, the network) or of a gloo transport error ("Connection closed
+    by peer", "Connection reset by peer", a timed-out read). None for any other exception, which stays the
+    user's error (failed once, never retried)."""
+    from torch.distributed import DistError
+
+    if not (isinstance(err, DistError) or (isinstance(err, RuntimeError) and _GLOO_TRANSPORT in str(err))):
+        return None
+    line = (str(err).strip().splitlines() or [""])[0]
+    if line.startswith("[") and "] " in line:  # gloo's "[<source file>:<line>] " prefix
+        line = line.split("] ", 1)[1]
+    return f"{type(err).__name__}: {line.split('. ', 1)[0]}"  # its first sentence ("... Connection reset by peer")
 
 
 @dataclass(frozen=True)

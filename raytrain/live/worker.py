@@ -271,10 +271,12 @@ class LiveWorker:
 
     def run(self) -> LiveOutcome:
         """Train steps until the run's last one; every quorum may have other participants. Raises
-        `LiveReplicaLost` when the quorum fails or when this replica found no peer to heal from (its quorum is
-        behind `settings.floor`), `NonFiniteError` for a non-finite step with on_nonfinite="stop", and what the
-        user's code raises."""
-        from raytrain.live.replica import LiveReplicaLost, live_share
+        `LiveReplicaLost` when the quorum fails, when this replica found no peer to heal from (its quorum is
+        behind `settings.floor`) or when a collective inside its group failed on a peer rank that is gone
+        (`peer_failure`: a group's ranks die one by one when its node goes, the first death breaks the others'
+        FSDP or tp collectives before their own process ends), `NonFiniteError` for a non-finite step with
+        on_nonfinite="stop", and what the user's code raises."""
+        from raytrain.live.replica import LiveReplicaLost, live_share, peer_failure
         from raytrain.step import train_step
 
         spec, size = self.job.spec, self.dims.dp  # data ranks per group
@@ -333,6 +335,15 @@ class LiveWorker:
                 if spec.loop.audit_samples:
                     ids = data.ids if replication.ids is None else replication.ids
                 self._record(step, epoch, sample_in_epoch, share, ids, lr, loss, result, started, quorum.rank)
+        except Exception as err:
+            # (the user's error on one rank leaves its process and the group's sockets up: the others wait, and
+            # the driver gets that error, failed once)
+            why = peer_failure(err) if self.settings.group_size > 1 and not isinstance(err, LiveReplicaLost) else None
+            if why is None:
+                raise
+            raise LiveReplicaLost(
+                f"replica {self.settings.replica_id}: a collective inside its group failed, a peer rank is gone ({why})"
+            ) from err
         finally:
             self.replica.shutdown()
             self.steps.close()
