@@ -217,12 +217,11 @@ def newest_per_benchmark(files: list[Path]) -> tuple[dict[str, Any], str]:
                 chosen[bench] = (path, results)
     if not chosen:
         sys.exit("no results file in benchmarks/results/: run python benchmarks/run_all.py first")
-    by_file: dict[Path, list[str]] = {}
-    for bench, (path, _) in chosen.items():
-        by_file.setdefault(path, []).append(bench)
+    by_file: dict[Path, tuple[dict[str, Any], list[str]]] = {}  # each file read once, above
+    for bench, (path, results) in chosen.items():
+        by_file.setdefault(path, (results, []))[1].append(bench)
     parts = []
-    for path, benches in sorted(by_file.items(), key=lambda item: item[0].name):
-        results = json.loads(path.read_text())
+    for path, (results, benches) in sorted(by_file.items(), key=lambda item: item[0].name):
         machine = results["machine"]
         failures = [
             f"{bench} {len(results['benchmarks'][bench]['failed'])}"
