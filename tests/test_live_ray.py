@@ -167,6 +167,34 @@ def test_either_recovery_mode_resumes_the_others_checkpoint_at_another_world_siz
     assert "FSDP units" in last["stderr"] and "tensor parallel over 2 ranks" in last["stderr"]
 
 
+def test_waiting_for_starting_groups_past_the_deadline_returns_what_is_ready(ray_local: None) -> None:
+    """The driver's start loops check a deadline, then wait for the time left: the deadline can pass in between
+    (a recovery benchmark's live run ended with Ray's "The 'timeout' argument must be nonnegative. Received
+    -3.9e-07"). Past the deadline the wait returns what is ready at once, and never raises."""
+    import time
+
+    import ray
+
+    from raytrain.live.driver import wait_one_until
+
+    @ray.remote(num_cpus=0)
+    def building() -> None:
+        time.sleep(60)
+
+    pending, ready = building.remote(), ray.put("built")
+    passed = time.monotonic() - 1e-6
+    try:
+        assert wait_one_until([pending], passed) == []
+        assert wait_one_until([pending, ready], passed) == [ready]
+        # as the driver loops: Ray counts the timeout in whole milliseconds and can return just before the
+        # deadline, so the loop's check passes and the time left it computes next is below zero
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert wait_one_until([pending], deadline) == []
+    finally:
+        ray.cancel(pending, force=True)
+
+
 def test_a_finished_live_run_leaves_no_actor_or_placement_group_behind(ray_local: None, tmp_path: Path) -> None:
     """In the caller's own Ray instance (a script that runs several trainings, as the goodput benchmark does): after
     a live fit with sharded groups (placement groups) every CPU is free again and every placement group removed;

@@ -52,6 +52,16 @@ DRAIN_MARGIN_S = 3.0  # a drained group without a successor leaves this long (or
 DRAIN_NO_DEADLINE_S = 30.0  # a drain without a deadline: leave within this long when no successor is ready
 
 
+def wait_one_until(refs: list[Any], deadline: float) -> list[Any]:
+    """The refs of `refs` ready by the `time.monotonic()` deadline, returning as soon as one is: `ray.wait` with
+    the time left, never a negative timeout. Ray refuses a negative one with a ValueError, and a loop that checks
+    the deadline and then computes the time left gets one: `ray.wait` truncates its timeout to whole milliseconds
+    and returns up to 1 ms before the deadline, so the check passes and the time left is below zero."""
+    import ray
+
+    return ray.wait(refs, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))[0]
+
+
 @dataclass
 class _Replica:
     """A replica group's actors (one per rank: dp_shard x tp of them) and where it stands: `ready` (each rank's
@@ -359,7 +369,7 @@ class LiveRun:
             self._start_replica(index, restore, floor=restored)
         deadline = time.monotonic() + START_TIMEOUT_S
         while sum(not r.ready for r in self.replicas.values()) < self.min and time.monotonic() < deadline:
-            self._settle(ray.wait(self._ready_refs(), num_returns=1, timeout=deadline - time.monotonic())[0])
+            self._settle(wait_one_until(self._ready_refs(), deadline))
         settled = sum(not r.ready for r in self.replicas.values())
         if settled < self.min:
             self._stop_all()
@@ -371,7 +381,7 @@ class LiveRun:
             )
         grace = time.monotonic() + 1.0  # the others that are about ready start with them
         while self._ready_refs() and time.monotonic() < grace:
-            self._settle(ray.wait(self._ready_refs(), num_returns=1, timeout=grace - time.monotonic())[0])
+            self._settle(wait_one_until(self._ready_refs(), grace))
         built = [r for r in self.replicas.values() if not r.ready]
         if not built:
             return self._fall_back(0, "no replica could be started")
