@@ -65,18 +65,17 @@ _GLOO_TRANSPORT = "gloo/transport/"
 
 def peer_failure(err: BaseException) -> str | None:
     """Pure: why `err`, raised by a collective of a replica group's own process group (FSDP's all-gather, tp's
-    all-reduce), says a peer rank of the group is gone rather than the user's code failing: the first sentence of a
-    `torch.distributed.DistError` (NCCL, a store, the network) or of a gloo transport error ("Connection closed
-    by peer", "Connection reset by peer", a timed-out read). None for any other exception, which stays the
-    user's error (failed once, never retried)."""
+    all-reduce), says a peer rank of the group is gone rather than the user's code failing, in words: a
+    `torch.distributed.DistError` (NCCL, a store, the network) or a gloo transport error ("Connection closed by
+    peer", "Connection reset by peer", a timed-out read; its raw text stays on the chained exception, out of the
+    console line). None for any other exception, which stays the user's error (failed once, never retried)."""
     from torch.distributed import DistError
 
-    if not (isinstance(err, DistError) or (isinstance(err, RuntimeError) and _GLOO_TRANSPORT in str(err))):
-        return None
-    line = (str(err).strip().splitlines() or [""])[0]
-    if line.startswith("[") and "] " in line:  # gloo's "[<source file>:<line>] " prefix
-        line = line.split("] ", 1)[1]
-    return f"{type(err).__name__}: {line.split('. ', 1)[0]}"  # its first sentence ("... Connection reset by peer")
+    if isinstance(err, DistError):
+        return f"{type(err).__name__} from the group's process group"
+    if isinstance(err, RuntimeError) and _GLOO_TRANSPORT in str(err):
+        return "RuntimeError from gloo's transport: its connection to a peer rank broke"
+    return None
 
 
 @dataclass(frozen=True)
