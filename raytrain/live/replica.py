@@ -67,8 +67,9 @@ def peer_failure(err: BaseException) -> str | None:
     """Pure: why `err`, raised by a collective of a replica group's own process group (FSDP's all-gather, tp's
     all-reduce), says a peer rank of the group is gone rather than the user's code failing, in words: a
     `torch.distributed.DistError` (NCCL, a store, the network) or a gloo transport error ("Connection closed by
-    peer", "Connection reset by peer", a timed-out read; its raw text stays on the chained exception, out of the
-    console line). None for any other exception, which stays the user's error (failed once, never retried)."""
+    peer", "Connection reset by peer", a timed-out read; its raw text stays out of the console line: it reaches
+    the driver only inside the `RayTaskError`'s traceback, which raytrain.log does not keep yet). None for any
+    other exception, which stays the user's error (failed once, never retried)."""
     from torch.distributed import DistError
 
     if isinstance(err, DistError):
