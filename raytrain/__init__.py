@@ -1,12 +1,12 @@
 """raytrain: an elastic distributed trainer for PyTorch on Ray (see README.md).
 
-`import raytrain` stays light (no torch, no Ray); `raytrain.attach` (bring your own loop, `raytrain.session`) is
-imported on first use.
+`import raytrain` stays light (no torch, no Ray): `raytrain.attach` (bring your own loop, `raytrain.session`) and
+`raytrain.ParquetSource` (Parquet files read in place, `raytrain.data.parquet`) are imported on first use.
 """
 
 from typing import Any
 
-__all__ = ["attach"]
+__all__ = ["ParquetSource", "attach"]
 
 
 def __getattr__(name: str) -> Any:
@@ -14,4 +14,8 @@ def __getattr__(name: str) -> Any:
         from raytrain.session import attach
 
         return attach
+    if name == "ParquetSource":
+        from raytrain.data.parquet import ParquetSource
+
+        return ParquetSource
     raise AttributeError(f"module 'raytrain' has no attribute {name!r}")

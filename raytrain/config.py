@@ -140,11 +140,15 @@ class LoopConfig:
         deterministic: sample order is a function of (seed, epoch) only, independent of the world size, so loss
             curves at different world sizes agree step by step for models without random operations in training;
             dropout and other random ops draw from a generator seeded per micro-batch by its place in the step,
-            so they agree too when the micro-batches are cut alike (see `raytrain.rng`). Needs the training set to
-            fit in the object store (it is materialized once). False streams shards with `get_dataset_shard` (any
-            size).
-        id_column: a column holding a unique integer id per sample. Without it raytrain numbers the rows itself
-            (this materializes the dataset once on the driver).
+            so they agree too when the micro-batches are cut alike (see `raytrain.rng`). Parquet files
+            (`raytrain.ParquetSource` or a path) are read in place, each rank the row groups its samples are in,
+            with bounded memory; a `ray.data.Dataset` is materialized once in the object store (it must fit
+            there). False streams a `ray.data.Dataset`'s shards with `get_dataset_shard` (any size; the order then
+            depends on the world size; needs `id_column`).
+        id_column: a column holding a unique integer id per sample (the ids the sample audit and the
+            checkpoint's data position use). Without it raytrain numbers the rows itself: Parquet rows by their
+            place in the files, a `ray.data.Dataset`'s rows in their order once materialized. Required with
+            `deterministic=False`.
         max_grad_norm: clip the gradient of each step's whole global batch to this 2-norm (> 0), as one process
             on one big batch would; None (default) does not clip. The norm is reported as `grad_norm`.
         on_nonfinite: what a step whose loss or gradient is NaN or Inf does (detected on every rank alike, before
@@ -198,11 +202,15 @@ class ParallelConfig:
     """How the model is built, sharded and computed, beside the strategy (`LoopConfig.strategy`).
 
     Attributes:
-        init: "auto" (default) builds the model on the meta device and materializes only each rank's shard,
-            initialised module by module from (seed, module name), when every module that owns tensors has a
-            `reset_parameters()` that sets them (else the full model on every rank, and the reason is logged);
-            "meta" requires the former, "full" always builds the full model. Either way the initial weights are
-            the same at every world size and strategy.
+        init: "full" builds the model whole on every rank (`torch.manual_seed(seed); model_fn()`) and then shards
+            it: exactly the model `model_fn` builds. "meta" records `model_fn()` without memory and has each rank
+            replay only the operations its shard depends on (`raytrain.model_init`): ties, buffers and the
+            model's own init code (`apply(_init_weights)`, `reset_parameters`) are kept, random draws come from
+            the same distributions with values of their own; refused, naming the tensor, when a replay cannot
+            reproduce the model. "auto" (default): a model of at most 1 GiB of parameters and buffers is
+            built "full"; a larger one, or one whose weights a pretrained checkpoint replaces (`init_from`),
+            "meta" when the replay reproduces it, else "full"; the choice and its reason are logged. Either way
+            the initial weights are the same at every world size, strategy and layout.
         precision: "fp32"; "bf16" computes in bfloat16 with fp32 master weights and fp32 gradient reduction
             (FSDP2's MixedPrecisionPolicy for zero2/zero3, autocast otherwise); "fp16" the same in float16 with
             dynamic loss scaling (ddp and zero1 only: their gradients are whole on every rank).

@@ -52,3 +52,29 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
         if module not in declared and module not in sys.stdlib_module_names and module != "raytrain"
     }
     assert not undeclared, f"imported but not in pyproject's dependencies: {undeclared}"
+
+
+def test_the_top_level_names_the_docs_use_import_and_import_raytrain_stays_light() -> None:
+    """`raytrain.ParquetSource` and `raytrain.attach`, as README, docstrings and error messages write them, are
+    the real classes; `import raytrain` alone loads neither torch nor Ray (a CLI start or a config check pays for
+    them only when it needs them)."""
+    import subprocess
+
+    code = (
+        "import sys, raytrain\n"
+        "heavy = {'torch', 'ray', 'pyarrow'} & set(sys.modules)\n"
+        "assert not heavy, sorted(heavy)\n"
+        "from raytrain import ParquetSource, attach\n"
+        "from raytrain.data.parquet import ParquetSource as Source\n"
+        "from raytrain.session import attach as attach_fn\n"
+        "assert ParquetSource is Source and attach is attach_fn\n"
+        "assert sorted(raytrain.__all__) == ['ParquetSource', 'attach']\n"
+        "try:\n"
+        "    raytrain.Nope\n"
+        "except AttributeError as err:\n"
+        "    assert \"no attribute 'Nope'\" in str(err)\n"
+        "else:\n"
+        "    raise AssertionError('raytrain.Nope resolved')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
