@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -76,6 +78,92 @@ def fixed_size_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return losses(summary)
 
 
+# ---------------------------------------------------------------- two test processes, one of them for Ray
+
+# A test that starts or reaches a Ray instance: a `ray` or `slow` mark, or one of these fixtures.
+RAY_FIXTURES = {"ray_local", "no_ray_connection", "ray_head_env", "fixed_size_losses"}
+RAY_TESTS_FILE = "raytrain_ray_tests"  # the key, in an xdist worker's `workerinput`, of the file described below
+
+
+def _needs_ray(item: pytest.Item) -> bool:
+    marked = item.get_closest_marker("ray") or item.get_closest_marker("slow")
+    return bool(marked or RAY_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: `-m 'not xdist_group'` runs the tests that need no Ray
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that starts or reaches a Ray instance `xdist_group("ray")`; in a pytest-xdist worker, also
+    write their node ids to the file `RayTestsInOneProcess` reads in the controlling process."""
+    ray_tests = []
+    for item in items:
+        if _needs_ray(item):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+            ray_tests.append(item.nodeid)
+    path = getattr(config, "workerinput", {}).get(RAY_TESTS_FILE)
+    if path:  # each worker collects the same tests: whichever writes last writes the same list
+        partial = f"{path}.{os.getpid()}"
+        with open(partial, "w") as f:
+            json.dump(ray_tests, f)
+        os.replace(partial, path)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist, schedule with `RayTestsInOneProcess` (pyproject's addopts: `-n 2 --dist loadgroup`)."""
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(RayTestsInOneProcess(), "raytrain-ray-tests-in-one-process")
+
+
+class RayTestsInOneProcess:
+    """One test process runs every test that needs Ray, one after another, while the other runs the rest
+    (single-process and gloo tests). Two Ray instances side by side on two cores disturbed each other
+    (docs/architecture.md, "The test suite"); a Ray test beside a CPU-bound test only shares the cores.
+
+    pytest-xdist's own `--dist loadgroup` sends each `xdist_group` to one process by appending "@group" to the
+    node ids, which pytest 9.2 no longer lets a plugin change (pytest-xdist issue 1386): every test went its own
+    way. So the workers write the Ray tests' node ids to a file (`pytest_collection_modifyitems` above) and this
+    scheduler reads it once every worker has collected."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.path = os.path.join(tempfile.gettempdir(), f"raytrain-ray-tests-{os.getpid()}.json")
+
+    def pytest_configure_node(self, node: Any) -> None:
+        """Tell each worker where to write the Ray tests' node ids."""
+        node.workerinput[RAY_TESTS_FILE] = self.path
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config: pytest.Config, log: Any) -> Any:
+        """For `--dist loadgroup`: xdist's scope scheduler, with every Ray test in one scope."""
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        if not hasattr(LoadScopeScheduling, "_split_scope"):  # the one method overridden below
+            raise pytest.UsageError(
+                "this pytest-xdist's LoadScopeScheduling has no _split_scope: tests/conftest.py cannot keep the Ray "
+                "tests in one process; run with -n 0"
+            )
+        path = self.path
+
+        class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
+            ray_tests: set[str] | None = None
+
+            def _split_scope(self, nodeid: str) -> str:
+                if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist that appends the group again
+                    return nodeid.rsplit("@", 1)[-1]
+                if self.ray_tests is None:  # called once every worker has collected, so the file is there
+                    with open(path) as f:
+                        self.ray_tests = set(json.load(f))
+                return "ray" if nodeid in self.ray_tests else nodeid
+
+        return Scheduling(config, log)
+
+    def pytest_unconfigure(self) -> None:
+        if os.path.exists(self.path):
+            os.remove(self.path)
+
+
 # ---------------------------------------------------------------- per-tier times (`.ci/run` prints them)
 
 TIERS = ("slow", "ray")  # a test's tier: the first of these markers it has, else "gloo" (multi-process) or "pure"
@@ -107,8 +195,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """With RAYTRAIN_TIER_TIMES=PATH, write {tier: seconds summed over its tests} there (in the controlling process
     when tests run in parallel: it receives every worker's reports)."""
-    import json
-
     path = os.environ.get("RAYTRAIN_TIER_TIMES")
     if path and not hasattr(session.config, "workerinput"):  # not an xdist worker
         with open(path, "w") as f:

@@ -31,8 +31,10 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_path: Path) -> None:
-    result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"))
+def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(
+    tmp_path: Path, head: dict[str, str]
+) -> None:
+    result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"), env=head)
     assert result.returncode == 0, result.stderr
     assert "world 2: accumulation 2, samples/rank [32,32]" in result.stdout
     assert "world 3: accumulation 2, samples/rank [22,21,21]" in result.stdout
