@@ -397,6 +397,8 @@ def loop_memory(
                unit's, its unsharded gradient and reduce-scatter buffer) + cR (FSDP2 keeps the root gathered
                from its forward to the end of the backward)
                + gradient shards 4Ψ/W, or the whole gradient 4Ψ while accumulating unsharded (k > 1)
+        both, accumulating sharded (k > 1): + 4U/W, the unit's new gradient shard (FSDP2's reduce-scatter
+               output) beside the shard it is then added to
 
     zero2's peak is at the start of the backward, when every unit is still gathered and gradient shards are not
     yet produced; zero3's at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or
@@ -441,4 +443,6 @@ def loop_memory(
             parts["accumulated_grads"] = 4 * psi
         else:
             parts["grads"] = 4 * shard
+    if k > 1 and not accumulating_whole:
+        parts["new_grad_shard"] = 4 * _shard(unit, w)
     return LoopMemory(strategy, w, k, grad_accumulation, precision, parts)

@@ -129,7 +129,13 @@ def test_loop_memory_follows_the_strategies_structure() -> None:
     assert ddp.parts == {"params": 4 * psi, "grads": 4 * psi, "ddp_buckets": 4 * psi, "optimizer": 8 * psi}
     assert loop_memory(psi, "ddp", 1).parts == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
     zero3 = loop_memory(psi, "zero3", 4, largest_unit_params=unit, accumulation_steps=4, grad_accumulation="sharded")
-    assert zero3.parts == {"params": psi, "optimizer": 2 * psi, "unit_transient": 20 * unit, "grads": psi}
+    assert zero3.parts == {
+        "params": psi,
+        "optimizer": 2 * psi,
+        "unit_transient": 20 * unit,
+        "grads": psi,
+        "new_grad_shard": unit,  # the unit's new shard (4U/W) beside the one it is added to
+    }
     whole = loop_memory(psi, "zero3", 4, largest_unit_params=unit, accumulation_steps=4)
     assert whole.parts["accumulated_grads"] == 4 * psi and "grads" not in whole.parts
     bf16 = loop_memory(psi, "zero2", 4, largest_unit_params=unit, precision="bf16")
