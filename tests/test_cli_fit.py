@@ -31,9 +31,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(
-    tmp_path: Path, head: dict[str, str]
-) -> None:
+def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_path: Path, head: dict[str, str]) -> None:
     result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"), env=head)
     assert result.returncode == 0, result.stderr
     assert "world 2: accumulation 2, samples/rank [32,32]" in result.stdout
