@@ -401,7 +401,8 @@ def loop_memory(
                output) beside the shard it is then added to
 
     zero2's peak is at the start of the backward, when every unit is still gathered and gradient shards are not
-    yet produced; zero3's at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or
+    yet produced (accumulating sharded: in a later micro-step's reduce-scatter, the earlier shards held); zero3's
+    at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or
     sharded: params, grads and optimizer state only. Measured against real allocations in
     `benchmarks/memory.py`. Raises `ConfigError` for values out of range.
     """
