@@ -29,6 +29,12 @@ largest rank's peaks are kept. A worker's memory for data is the growth of its p
 as large (same model, steps and batch): `worker_rss_growth_bytes_parquet` (bounded: the windows it holds do not
 grow) against `worker_rss_growth_bytes_materialized` (every worker holds the whole set). `data_held_bytes` (the
 numpy bytes of rank 0's windows, raytrain's own bookkeeping) is printed beside them, no longer as a headline.
+Where the CPU goes (2 workers on a 2-core machine have no core to spare): the same probe samples the process's CPU
+seconds and the training thread's (`time.process_time`, `time.thread_time`), so each raytrain run reports the cores a
+rank kept busy and how many of them its training thread (mean over ranks; the hand-written loop samples rank 0 every
+step); the Parquet path's metrics also carry `data_cpu_s`, rank 0's two data threads' CPU seconds, and
+`data_cpu_fraction` = their CPU per steady step / the step interval: the share of a core the reading and assembling
+take, which on a machine without a spare core is taken from the compute.
 Data position in a checkpoint: `position_checkpoint_bytes` is the size of the position files of the Parquet run's
 real final checkpoint (the train state and the consumed-id ranges); and halfway through an epoch of 1e7 samples,
 the bytes and time of what each mode writes for it (the position modes: the train state's JSON; streaming: the
@@ -57,6 +63,7 @@ GLOBAL_BATCH = 512
 FILES, ROW_GROUP, WINDOW = 8, 256, 2
 PARTITIONS = 32  # ParquetSource's default
 ROW_BYTES = FEATURES * 4 + 4 + 8  # x, y and the id as numpy arrays
+SKIP_CPU = 3  # the hand-written loop's CPU samples (one per step) left out as its start-up
 
 
 def build_model() -> nn.Module:
@@ -98,35 +105,61 @@ def write_parquet(directory: str, rows: int) -> None:
 
 
 class MemoryProbe:
-    """The loss function, and every `every` calls a line {pid, peak RSS bytes, pyarrow allocated bytes} appended
-    to `<directory>/memory-<pid>.jsonl`: the worker's real memory, on every rank."""
+    """The loss function, and every `every` calls a line {pid, peak RSS bytes, pyarrow allocated bytes, wall time,
+    the process's CPU seconds, the training thread's CPU seconds} appended to `<directory>/memory-<pid>.jsonl`: the
+    worker's real memory and where its CPU goes, on every rank. Not in the driver, which calls the loss once on
+    real rows before any worker starts (its process is not a rank's)."""
 
     def __init__(self, directory: str, every: int = 10) -> None:
-        self.directory, self.every, self.calls = directory, every, 0
+        self.directory, self.every, self.calls, self.driver = directory, every, 0, os.getpid()
 
     def __call__(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.calls += 1
-        if self.calls % self.every == 1:
+        if self.calls % self.every == 1 and os.getpid() != self.driver:
             import resource
 
             import pyarrow as pa
 
             peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-            record = {"pid": os.getpid(), "peak_rss": peak_rss, "arrow": pa.total_allocated_bytes()}
+            record = {"pid": os.getpid(), "peak_rss": peak_rss, "arrow": pa.total_allocated_bytes(), **cpu_now()}
             with open(os.path.join(self.directory, f"memory-{os.getpid()}.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
         return (model(batch["x"]) - batch["y"]) ** 2
 
 
+def cpu_now() -> dict[str, float]:
+    """Now: wall time, this process's CPU seconds (every thread) and the calling thread's."""
+    return {"time": time.time(), "cpu": time.process_time(), "train_cpu": time.thread_time()}
+
+
+def cores_used(samples: list[dict[str, float]]) -> tuple[float, float]:
+    """(process, calling thread) CPU seconds per wall second between the first and the last of one process's
+    `cpu_now()` samples: how many cores it kept busy, and how many of them its training thread."""
+    if len(samples) < 2 or samples[-1]["time"] <= samples[0]["time"]:
+        return float("nan"), float("nan")
+    wall = samples[-1]["time"] - samples[0]["time"]
+    return (
+        (samples[-1]["cpu"] - samples[0]["cpu"]) / wall,
+        (samples[-1]["train_cpu"] - samples[0]["train_cpu"]) / wall,
+    )
+
+
 def memory_peaks(directory: str) -> dict[str, float]:
-    """The largest rank's peak RSS and pyarrow bytes recorded by `MemoryProbe` in `directory`."""
+    """The largest rank's peak RSS and pyarrow bytes recorded by `MemoryProbe` in `directory`, and the cores a
+    rank kept busy (mean over ranks; from its second sample on, past the start-up)."""
     records = [r for name in os.listdir(directory) for r in read_jsonl(os.path.join(directory, name))]
     if not records:
         return {"peak_rss": float("nan"), "arrow": float("nan"), "ranks": 0}
+    by_pid: dict[int, list[dict[str, float]]] = {}
+    for r in records:
+        by_pid.setdefault(r["pid"], []).append(r)
+    cores = [cores_used(samples[1:]) for samples in by_pid.values() if len(samples) > 2]
     return {
         "peak_rss": max(r["peak_rss"] for r in records),
         "arrow": max(r["arrow"] for r in records),
-        "ranks": len({r["pid"] for r in records}),
+        "ranks": len(by_pid),
+        "cpu_cores": float(np.mean([c[0] for c in cores])) if cores else float("nan"),
+        "train_cpu_cores": float(np.mean([c[1] for c in cores])) if cores else float("nan"),
     }
 
 
@@ -201,6 +234,7 @@ def hand_written_loop(config: dict[str, Any]) -> None:
     world = ray.train.get_context().get_world_size()
     per_rank = GLOBAL_BATCH // world
     times: list[float] = []
+    cpu: list[dict[str, float]] = []
     for _ in range(config["epochs"]):
         for batch in shard.iter_torch_batches(batch_size=per_rank, prefetch_batches=4, drop_last=True):
             optimizer.zero_grad(set_to_none=True)
@@ -212,9 +246,10 @@ def hand_written_loop(config: dict[str, Any]) -> None:
                     loss.backward()
             optimizer.step()
             times.append(time.time())
+            cpu.append(cpu_now())
     if ray.train.get_context().get_world_rank() == 0:
         with open(config["out"], "w") as f:
-            json.dump(times, f)
+            json.dump({"times": times, "cpu": cpu}, f)
 
 
 def run_hand_written(storage: str, data_dir: str, workers: int, epochs: int) -> dict[str, Any]:
@@ -233,19 +268,22 @@ def run_hand_written(storage: str, data_dir: str, workers: int, epochs: int) -> 
         run_config=RunConfig(storage_path=storage, name=f"hand-{time.time_ns()}"),
     ).fit()
     with open(out) as f:
-        times = json.load(f)
+        found = json.load(f)
+    times = found["times"]
     steps_per_epoch = len(times) // epochs
     records = [
         {"step": i + 1, "epoch": i // steps_per_epoch, "time": t, "global_batch_size": GLOBAL_BATCH}
         for i, t in enumerate(times)
     ]
-    return {"records": records, "started": started, "ended": time.time()}
+    process, thread = cores_used(found["cpu"][SKIP_CPU:])  # rank 0, past the start-up like the probe's
+    memory = {"cpu_cores": process, "train_cpu_cores": thread}
+    return {"records": records, "started": started, "ended": time.time(), "memory": memory}
 
 
 def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, float]:
     """Steady-state data wait fraction, samples/s and peak data bytes held (see the module docstring)."""
     records = run_["records"]
-    wait = wait_max = total = samples = 0.0
+    wait = wait_max = total = samples = data_cpu = 0.0
     for prev, cur in zip(records[skip:], records[skip + 1 :], strict=False):
         if cur["epoch"] != prev["epoch"]:
             continue
@@ -253,6 +291,7 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
         total += interval
         wait += cur.get("data_wait_s", float("nan"))
         wait_max += cur.get("data_wait_max_s", float("nan"))  # the slowest rank's wait at each step
+        data_cpu += cur.get("data_cpu_s", float("nan")) - prev.get("data_cpu_s", float("nan"))  # rank 0's threads
         samples += cur["global_batch_size"]
     held = [r["data_held_bytes"] for r in records if "data_held_bytes" in r]
     memory = run_.get("memory", {})
@@ -260,6 +299,9 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
         "peak_rss_mb": memory.get("peak_rss", float("nan")) / 1e6,
         "arrow_mb": memory.get("arrow", float("nan")) / 1e6,
         "ranks_probed": memory.get("ranks", 0),
+        "cpu_cores": memory.get("cpu_cores", float("nan")),
+        "train_cpu_cores": memory.get("train_cpu_cores", float("nan")),
+        "data_cpu_fraction": data_cpu / total if total else float("nan"),
         "position_bytes": run_.get("position_bytes", float("nan")),
         "steps": len(records),
         "wait_fraction": wait / total if total else float("nan"),
@@ -450,6 +492,9 @@ def main() -> None:
         "peak_rss_mb",
         "arrow_mb",
         "ranks_probed",
+        "cpu_cores",
+        "train_cpu_cores",
+        "data_cpu_fraction",
         "data_bytes_fraction",
         "position_bytes",
         "startup_s",
@@ -464,6 +509,9 @@ def main() -> None:
         "peak RSS MB (largest rank)",
         "pyarrow MB",
         "ranks probed",
+        "cores busy per rank",
+        "of them the training thread",
+        "rank 0 data threads CPU / step",
         "rank 0 windows / data set",
         "position bytes",
         "start-up s",
@@ -550,6 +598,15 @@ def main() -> None:
             "data_wait_fraction_materialized": pick("materialized W=2", "wait_fraction"),
             "data_wait_fraction_streaming": pick("streaming W=2", "wait_fraction"),
             "samples_per_s_parquet_w2": parquet2,
+            "samples_per_s_materialized_w2": materialized2,
+            "cpu_count": os.cpu_count(),
+            "data_cpu_fraction_parquet_w2": pick("parquet W=2", "data_cpu_fraction"),
+            "cpu_cores_per_rank_parquet_w2": pick("parquet W=2", "cpu_cores"),
+            "train_cpu_cores_per_rank_parquet_w2": pick("parquet W=2", "train_cpu_cores"),
+            "cpu_cores_per_rank_materialized_w2": pick("materialized W=2", "cpu_cores"),
+            "train_cpu_cores_per_rank_materialized_w2": pick("materialized W=2", "train_cpu_cores"),
+            "cpu_cores_rank0_hand_written_w2": pick("hand-written W=2", "cpu_cores"),
+            "train_cpu_cores_rank0_hand_written_w2": pick("hand-written W=2", "train_cpu_cores"),
             "samples_per_s_hand_written_w2": hand,
             "parquet_over_hand_written": round(parquet2 / hand, 3) if parquet2 and hand else None,
             "samples_per_s_streaming_w2": pick("streaming W=2", "samples_per_s"),

@@ -70,6 +70,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ),
     (
         "input_pipeline",
+        "data_cpu_fraction_parquet_w2",
+        "Parquet path: rank 0's data threads' CPU ÷ step time, W = 2 (cores: 2 workers on 2)",
+        None,
+    ),
+    (
+        "input_pipeline",
         "worker_rss_growth_bytes_parquet",
         "Parquet path: a worker's peak RSS growth, data set x4, bytes",
         None,

@@ -42,7 +42,7 @@ LR_SCHEDULES: tuple[str, ...] = get_args(LRSchedule)
 def validate_lr_rule(rule: str) -> None:
     """Raise `ConfigError` unless `rule` is one of `LR_RULES`."""
     if rule not in LR_RULES:
-        raise ConfigError(f"lr_rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
+        raise ConfigError(f"rule must be one of {', '.join(LR_RULES)}, got {rule!r}")
 
 
 def validate_schedule(schedule: str) -> None:

@@ -402,9 +402,9 @@ def loop_memory(
 
     zero2's peak is at the start of the backward, when every unit is still gathered and gradient shards are not
     yet produced (accumulating sharded: in a later micro-step's reduce-scatter, the earlier shards held); zero3's
-    at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or
-    sharded: params, grads and optimizer state only. Measured against real allocations in
-    `benchmarks/memory.py`. Raises `ConfigError` for values out of range.
+    at the end, when the gradient shards are complete. At W = 1 nothing is wrapped or sharded: params, grads and
+    optimizer state only. Measured against real allocations in `benchmarks/memory.py`. Raises `ConfigError` for
+    values out of range.
     """
     psi = _check_int("num_params", num_params, 1)
     w = _check_int("world_size", world_size, 1)

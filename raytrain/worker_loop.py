@@ -668,7 +668,9 @@ def steps(run: Run) -> Iterator[Step]:
         # write, without background saves) of the last checkpoint, its report, and a wait for the one before.
         metrics["checkpoint_stall_s"], run.checkpoint_stall_s = run.checkpoint_stall_s, 0.0
         if isinstance(run.source, ParquetSteps):
-            metrics["data_held_bytes"] = run.source.stats.held_bytes
+            stats = run.source.stats
+            metrics["data_held_bytes"] = stats.held_bytes
+            metrics["data_cpu_s"] = stats.load_cpu_s + stats.assemble_cpu_s  # since the source began (rank 0)
         metrics.update(run.user_metrics)
         run.user_metrics.clear()
         checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps

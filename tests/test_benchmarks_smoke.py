@@ -126,6 +126,9 @@ def test_input_pipeline_quick() -> None:
     # Real memory on every rank and a real checkpoint's position files, not bookkeeping
     assert headline["worker_peak_rss_bytes_parquet"] > 0 and headline["worker_rss_growth_bytes_parquet"] is not None
     assert headline["position_checkpoint_bytes"] > 0
+    # Where the CPU goes: the data threads' share of a step, the cores a rank kept busy and its training thread's
+    assert 0 < headline["data_cpu_fraction_parquet_w2"] < 2, headline
+    assert 0 < headline["train_cpu_cores_per_rank_parquet_w2"] <= headline["cpu_cores_per_rank_parquet_w2"], headline
     # Real bytes read at W = 4 (the quick data set is small: each rank's footer reads weigh more than at full size)
     assert 0.9 < headline["read_amplification"] < headline["read_amplification_one_partition"]
 

@@ -165,7 +165,7 @@ def test_rows_are_the_ones_the_ids_name(tmp_path: Path) -> None:
 def test_a_worker_holds_a_few_windows_and_reads_its_share_once(tmp_path: Path) -> None:
     """240 row groups in 8 partitions, windows of 2, W = 2: over a whole epoch a rank holds at most its share's
     current windows (8 / 2 partitions) plus as many loaded ahead, far below the data set, and reads half of the
-    rows from storage, each once."""
+    rows from storage, each once; the CPU of both data threads is counted."""
     write_regression_parquet(tmp_path / "data", 3840, files=3, row_group=16)
     index = ParquetSource(tmp_path / "data", shuffle_window=2, partitions=8).index(("x", "y"), None)
     plan = plan_batch(16, 4, 2)
@@ -177,6 +177,7 @@ def test_a_worker_holds_a_few_windows_and_reads_its_share_once(tmp_path: Path) -
     assert 0 < source.stats.peak_bytes <= (4 + max(4, MAX_WINDOWS_AHEAD)) * window_bytes
     assert source.stats.peak_bytes / (3840 * (8 * 4 + 4 + 8)) <= 0.07
     assert source.stats.rows_loaded == 3840 // 2
+    assert source.stats.load_cpu_s > 0 and source.stats.assemble_cpu_s > 0  # each thread's CPU, counted
     source.close()
 
 

@@ -65,6 +65,9 @@ def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, 
     assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in lines]
     for a, b in zip(one, lines, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    if data == "parquet":  # rank 0's data threads' CPU since the run began, on every line
+        cpu = [m["data_cpu_s"] for m in lines]
+        assert cpu[0] > 0 and cpu == sorted(cpu), cpu
 
 
 def test_missing_column_fails_before_workers_and_writes_nothing(ray_local: None, tmp_path: Path) -> None:

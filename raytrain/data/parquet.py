@@ -305,6 +305,10 @@ class PrefetchStats:
     held_bytes: int = 0
     peak_bytes: int = 0
     lookahead: int = 0
+    # CPU seconds (`time.thread_time`) of the two background threads, each written by its own thread only: what
+    # reading and assembling cost in CPU, which on a node with few cores is taken from the training compute.
+    load_cpu_s: float = 0.0
+    assemble_cpu_s: float = 0.0
 
 
 class ParquetSteps:
@@ -412,13 +416,14 @@ class ParquetSteps:
         )
 
     def _load(self, epoch: int, window: int) -> _Window:
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         chunks = self._order(epoch).windows[window]
         with self._read_lock:  # one reader at a time on the cached file handles
             columns = self.index.read_chunks(chunks, self._files)
         self.stats.load_s.append(time.perf_counter() - began)
         self.stats.rows_loaded += int(self.index.chunk_rows[chunks].sum())
         del self.stats.load_s[:-20]
+        self.stats.load_cpu_s += time.thread_time() - cpu
         return _Window(columns, sum(v.nbytes for v in columns.values()))
 
     def _window(self, epoch: int, window: int) -> Future[_Window]:
@@ -541,12 +546,20 @@ class ParquetSteps:
             future = self._steps.pop(key, None)
             self._steps = {k: f for k, f in self._steps.items() if k > key}
         if future is None:
-            future = self._assembler.submit(self._assemble, epoch, sample_in_epoch)
-        self._assembler.submit(self._plan_ahead, epoch, sample_in_epoch)
+            future = self._assembler.submit(self._timed, self._assemble, epoch, sample_in_epoch)
+        self._assembler.submit(self._timed, self._plan_ahead, epoch, sample_in_epoch)
         step = future.result()
         if self.device.type != "cpu":
             step.micro_batches = [{k: v.to(self.device) for k, v in b.items()} for b in step.micro_batches]
         return step
+
+    def _timed(self, work: Callable[..., Any], *args: Any) -> Any:
+        """(In the assembler thread.) `work(*args)`, its CPU time added to `stats.assemble_cpu_s`."""
+        cpu = time.thread_time()
+        try:
+            return work(*args)
+        finally:
+            self.stats.assemble_cpu_s += time.thread_time() - cpu
 
     def _plan_ahead(self, epoch: int, sample_in_epoch: int) -> None:
         """(In the assembler thread, after the step at `sample_in_epoch` is handed over.) Start the window loads of
@@ -556,7 +569,7 @@ class ParquetSteps:
             with self._lock:
                 if following in self._steps or (self._handed is not None and following <= self._handed):
                     continue
-                self._steps[following] = self._assembler.submit(self._assemble, *following)
+                self._steps[following] = self._assembler.submit(self._timed, self._assemble, *following)
         self._evict(needed)
 
     def _following(self, epoch: int, sample_in_epoch: int) -> tuple[int, int] | None:
