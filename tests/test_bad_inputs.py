@@ -59,7 +59,7 @@ CONFIG_CASES: list[tuple[str, Callable[[], Any], str]] = [
         "micro_batch must be an integer >= 1, got -1",
     ),
     ("base_lr 0", lambda: LRConfig(base_lr=0), "base_lr must be a number > 0, got 0"),
-    ("lr rule", lambda: LRConfig(base_lr=0.1, rule="cube"), "rule must be one of linear, sqrt, none, got 'cube'"),
+    ("lr rule", lambda: LRConfig(base_lr=0.1, rule="cube"), "^rule must be one of linear, sqrt, none, got 'cube'"),
     (
         "schedule",
         lambda: LRConfig(base_lr=0.1, schedule="step"),

@@ -83,7 +83,7 @@ def test_resume_message_says_what_really_happened() -> None:
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: peak_lr(1e-3, 256, 512, "cubic"), "rule must be one of linear, sqrt, none, got 'cubic'"),
+        (lambda: peak_lr(1e-3, 256, 512, "cubic"), "^rule must be one of linear, sqrt, none, got 'cubic'"),
         (lambda: peak_lr(0.0, 256, 512, "linear"), "base_lr must be > 0, got 0.0"),
         (lambda: peak_lr(1e-3, 0, 512, "linear"), "base_batch must be an integer >= 1, got 0"),
         (lambda: lr_factor(0, warmup_steps=-1), "warmup_steps must be an integer >= 0, got -1"),
