@@ -30,6 +30,7 @@ from ray.train.v2.api.exceptions import ControllerError
 from raytrain.console import DETAIL_PREFIX, append_line, output
 from raytrain.errors import UserCodeError
 from raytrain.failures import Signature, is_storage_error, signature
+from raytrain.start_watch import mark_began
 
 
 class StopRepeatedUserErrors(WorkerGroupCallback):
@@ -142,17 +143,23 @@ def fatal_message(found: Signature, error: BaseException) -> str:
 class RunLog(ControllerCallback):
     """Runs in the Ray Train controller and appends one line per state change that matters to the user to
     `<run_dir>/raytrain.log` (the driver prints that file; Ray's own output is not forwarded by default):
-    a failed worker group being restarted, a start that failed being retried, a resize, the final error."""
+    a failed worker group being restarted, a start that failed being retried, a resize, the final error. Before
+    its first state change the driver's `StartWatch` speaks instead."""
 
     def __init__(self, run_dir: str, request: str = "the worker group", repeat_s: float = 60.0) -> None:
         self.run_dir, self.request, self.repeat_s = run_dir, request, repeat_s
         self._waiting_since: float | None = None  # the first failed start of the current wait
         self._said_at = 0.0
         self._attempts = 0
+        self._began = False
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         """Write the line for `current_state`, if it is one of the above. A start that keeps failing (the cluster
-        lacks the room) is said once, naming what the run waits for, then once a minute with the time waited."""
+        lacks the room) is said once, naming what the run waits for, then once a minute with the time waited.
+        The first call (the run loop has begun) also ends the driver's `raytrain.start_watch.StartWatch`."""
+        if not self._began:
+            self._began = True
+            mark_began(self.run_dir)
         error = getattr(current_state, "training_failed_error", None)
         if isinstance(current_state, controller_state.ReschedulingState):
             now = time.monotonic()
@@ -317,6 +324,19 @@ def torch_trainer_class(tp: int, replica: int) -> Any:
                 ray.kill(self.controller, no_restart=True)
 
     return RaytrainTorchTrainer
+
+
+def actor_record(handle: Any) -> dict[str, Any] | None:
+    """The GCS's record of the actor behind `handle` (`ActorID`, `State`, `StartTime` in ms, `DeathCause`, ...),
+    asked of the GCS directly (no dashboard); None without a handle or when the GCS does not answer."""
+    if handle is None:
+        return None
+    from ray._private import state
+
+    try:
+        return state.actors(actor_id=handle._actor_id.hex()) or None
+    except Exception:  # the GCS not answering: the caller says what it can without the record
+        return None
 
 
 def short_node_id(node_id: str) -> str:

@@ -740,7 +740,14 @@ class ElasticTrainer:
         from ray.train.v2.api.exceptions import ControllerError
 
         from raytrain.data.streaming import ExactSplitConfig
-        from raytrain.ray_hooks import RefreshClusterView, RunLog, StopRepeatedUserErrors, torch_trainer_class
+        from raytrain.ray_hooks import (
+            RefreshClusterView,
+            RunLog,
+            StopRepeatedUserErrors,
+            actor_record,
+            torch_trainer_class,
+        )
+        from raytrain.start_watch import StartWatch
         from raytrain.worker_loop import train_loop_per_worker
 
         spec = self.spec
@@ -787,6 +794,7 @@ class ElasticTrainer:
             ),
         )
         tail = RunLogTail(run_dir).start() if is_quiet() else None
+        watch = StartWatch(run_dir, lambda: actor_record(trainer.controller), echo=tail is None).start()
         try:
             result = trainer.fit()
         except ControllerError as err:  # raytrain's controller callback stopped a bug from being retried
@@ -798,6 +806,7 @@ class ElasticTrainer:
             say(f"interrupted: {describe_latest(storage)}; fit() again (the same run_name) resumes from it")
             raise
         finally:
+            watch.stop()
             if tail is not None:
                 tail.stop()
         return self._result(run_dir, storage, result.metrics, result.checkpoint)

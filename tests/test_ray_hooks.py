@@ -125,6 +125,17 @@ def test_the_gcs_view_of_available_resources_per_node() -> None:
     assert parameters(state.available_resources_per_node) == []
 
 
+def test_what_the_start_watch_reads_the_controllers_wait_from() -> None:
+    """`raytrain.start_watch`: the GCS's actor record by id; the controller's first state change comes in `run`
+    (its `__init__` only sets the initial state), so `RunLog`'s first call means the run loop has begun."""
+    from ray._private import state
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    assert parameters(state.actors)[0] == "actor_id"
+    assert "self._set_state(" not in inspect.getsource(TrainController.__init__)
+    assert "_run_control_loop_iteration" in inspect.getsource(TrainController.run)
+
+
 def test_the_driver_printer_that_is_made_one_line() -> None:
     import ray._private.worker as ray_worker
 

@@ -9,6 +9,7 @@ import pytest
 from ray_helpers import ROWS, make_trainer, read_jsonl
 
 from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
+from raytrain.console import LOG_FILE
 from raytrain.errors import ConfigError
 from raytrain.toy import block_mlp_factory, inverse_sqrt_schedule, mlp_factory, regression_dataset, sgd, squared_error
 from raytrain.trainer import ElasticTrainer
@@ -16,10 +17,19 @@ from raytrain.trainer import ElasticTrainer
 pytestmark = pytest.mark.ray
 
 
-def test_fit_end_to_end_writes_one_metrics_line_per_step(ray_local: None, tmp_path: Path) -> None:
+def test_fit_end_to_end_writes_one_metrics_line_per_step(
+    ray_local: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The driver's start watch speaks at once and every 0.5 s until the controller's run loop begins, then never
+    monkeypatch.setattr("raytrain.start_watch.SAY_AFTER_S", 0.0)
+    monkeypatch.setattr("raytrain.start_watch.REPEAT_S", 0.5)
     trainer = make_trainer(tmp_path, "e2e", workers=2, audit=True, every=5)
     trainer.datasets["val"] = regression_dataset(25, seed=1)
     result = trainer.fit()
+    log = (Path(result.run_dir) / LOG_FILE).read_text().splitlines()
+    said = [i for i, line in enumerate(log) if "Ray Train's controller" in line and "has not begun the run" in line]
+    first_step = next(i for i, line in enumerate(log) if "step     1 |" in line)
+    assert said and said[-1] < first_step, log  # it spoke, and stopped once the controller's run loop had begun
     lines = read_jsonl(result.metrics_path)
     # Rank 0 alone writes: one line per optimizer step, none duplicated by other ranks.
     assert [m["step"] for m in lines] == list(range(1, 11))

@@ -1,0 +1,134 @@
+"""The driver's watch until Ray Train's controller begins the run: `fit()` never waits without saying for what.
+
+`ElasticTrainer.fit` blocks in Ray Train's `ray.get(controller.run.remote())`. Once the controller's run loop has
+begun, `raytrain.ray_hooks.RunLog` (in the controller) says whatever the run waits for: room for its workers, a
+restart, a resize. Before that, nothing would. The controller's process may be slow to start (a runtime environment
+being set up, a node short of memory), or, seen once here (docs/architecture.md, stop 56), the GCS has the
+controller alive while this driver never learnt it and so never delivered the `run` call: `fit()` waited with no
+word and no end.
+
+`StartWatch` is a driver thread: until `RunLog`'s first state change writes `<run_dir>/STARTED_FILE`
+(`mark_began`), it says after `SAY_AFTER_S` seconds, then every `REPEAT_S`, what the GCS knows of the controller
+actor and what that means (`describe_controller_wait`). It changes nothing about the run: Ctrl-C stops it, and
+`fit()` again resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from raytrain.console import append_line, say
+
+STARTED_FILE = ".controller-began"  # in the run directory: written by the controller when its run loop begins
+SAY_AFTER_S = 30.0  # seconds from `fit()` handing over to Ray Train until the first line
+REPEAT_S = 60.0  # then one line per this many seconds
+
+_STARTING = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+
+
+def mark_began(run_dir: str) -> None:
+    """In the controller, at its first state change: record that the run loop has begun (`STARTED_FILE`)."""
+    with open(os.path.join(run_dir, STARTED_FILE), "w") as f:
+        f.write(f"{os.getpid()} {time.time():.3f}\n")
+
+
+def describe_controller_wait(
+    waited_s: float, record: dict[str, Any] | None, now_ms: float, repeat_s: float = REPEAT_S
+) -> str:
+    """One line on a controller that has not begun the run `waited_s` seconds after `fit()` handed over.
+
+    `record` is the GCS's actor record (`ray._private.state.actors(actor_id=...)`: `ActorID`, `State`,
+    `StartTime` in ms, `DeathCause`) or None when the actor is not known yet; `now_ms` the wall clock in ms;
+    `repeat_s` how often the line is said again."""
+    head = f"Ray Train's controller has not begun the run {waited_s:.0f} s after fit() started it"
+    tail = (
+        f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops, and fit() again resumes from the newest "
+        "checkpoint)"
+    )
+    if not record:
+        return f"{head}: raytrain has no handle on its actor yet (Ray Train creates it first); {tail}"
+    actor, state = str(record.get("ActorID", "?"))[:12], str(record.get("State", "?"))
+    head = head.replace("controller", f"controller (actor {actor})", 1)
+    if state in _STARTING:
+        why = (
+            f"Ray is still starting its process (GCS state {state}: a runtime environment being set up, or a node "
+            "short of memory or worker processes)"
+        )
+    elif state == "ALIVE":
+        alive_s = max(0.0, (now_ms - float(record.get("StartTime") or now_ms)) / 1000)
+        why = (
+            f"the GCS has had it alive for {alive_s:.0f} s, yet this driver has not delivered its run call: Ray lost "
+            "the actor's ALIVE notification in this driver (a Ray fault, docs/guide.md#troubleshooting)"
+        )
+    elif state == "RESTARTING":
+        why = "its process died and Ray is restarting it"
+    elif state == "DEAD":
+        cause = " ".join(str(record.get("DeathCause") or "no cause recorded").split())[:200]
+        why = f"it died before beginning ({cause}); Ray's error follows"
+    else:
+        why = f"GCS state {state}"
+    return f"{head}: {why}; {tail}"
+
+
+class StartWatch:
+    """A daemon thread on the driver saying what `fit()` waits for until the controller begins the run.
+
+    `controller` returns the GCS's record of the controller's actor (`raytrain.ray_hooks.actor_record`), None
+    before Ray Train created it. Lines go to `<run_dir>/raytrain.log`, and to the console too when `echo` (no
+    `RunLogTail` prints the log)."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        controller: Callable[[], dict[str, Any] | None],
+        echo: bool,
+        say_after_s: float | None = None,
+        repeat_s: float | None = None,
+    ) -> None:
+        self.run_dir, self.controller, self.echo = run_dir, controller, echo
+        self.say_after_s = SAY_AFTER_S if say_after_s is None else say_after_s
+        self.repeat_s = REPEAT_S if repeat_s is None else repeat_s
+        self.said = 0
+        self._marker = os.path.join(run_dir, STARTED_FILE)
+        if os.path.exists(self._marker):  # an earlier fit() of this run directory (the run lock is held)
+            os.remove(self._marker)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="raytrain-start-watch", daemon=True)
+
+    def start(self) -> StartWatch:
+        """Start watching; returns self."""
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the thread (at `fit()`'s end, whatever the outcome)."""
+        self._stop.set()
+        self._thread.join()
+
+    def began(self) -> bool:
+        """True once the controller has written `STARTED_FILE`."""
+        return os.path.exists(self._marker)
+
+    def _run(self) -> None:
+        next_say = self.say_after_s
+        while not self._stop.wait(min(0.5, max(0.05, next_say / 4))):
+            if self.began():
+                return
+            waited = time.monotonic() - self._started
+            if waited >= next_say:
+                self._say(waited)
+                next_say = waited + self.repeat_s
+
+    def _say(self, waited_s: float) -> None:
+        line = describe_controller_wait(waited_s, self.controller(), time.time() * 1000, self.repeat_s)
+        if self.began():  # it began while the GCS was asked
+            return
+        append_line(self.run_dir, f"[raytrain] {line}")
+        if self.echo:
+            say(line)
+        self.said += 1

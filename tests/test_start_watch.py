@@ -1,0 +1,80 @@
+"""`raytrain.start_watch`: until Ray Train's controller begins the run, the driver says what `fit()` waits for.
+
+The line for each GCS state is pure; the watch itself runs against real actors on the shared local instance (one
+that cannot be placed, one alive that is never called), and `test_trainer_ray.py`'s end-to-end run checks that
+`fit()` starts and stops it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raytrain.console import LOG_FILE
+from raytrain.ray_hooks import actor_record
+from raytrain.start_watch import StartWatch, describe_controller_wait, mark_began
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        (None, "raytrain has no handle on its actor yet"),
+        ({"ActorID": "ab" * 16, "State": "PENDING_CREATION"}, "(actor abababababab) has not begun the run 31 s"),
+        ({"ActorID": "ab" * 16, "State": "DEPENDENCIES_UNREADY"}, "Ray is still starting its process"),
+        ({"ActorID": "ab" * 16, "State": "ALIVE", "StartTime": 1_000_000}, "the GCS has had it alive for 25 s"),
+        ({"ActorID": "ab" * 16, "State": "RESTARTING"}, "its process died and Ray is restarting it"),
+        (
+            {"ActorID": "ab" * 16, "State": "DEAD", "DeathCause": "out of\n memory"},
+            "died before beginning (out of memory)",
+        ),
+    ],
+)
+def test_each_gcs_state_of_a_controller_not_begun_is_said_in_words(record: Any, expected: str) -> None:
+    line = describe_controller_wait(31.2, record, now_ms=1_025_000, repeat_s=60)
+    assert expected in line
+    assert line.endswith(
+        "still waiting (said again every 60 s; Ctrl-C stops, and fit() again resumes from the newest checkpoint)"
+    )
+
+
+def watch_lines(run_dir: Path) -> list[str]:
+    log = run_dir / LOG_FILE
+    return [line for line in log.read_text().splitlines() if "has not begun the run" in line] if log.exists() else []
+
+
+@pytest.mark.ray
+def test_the_watch_names_the_actor_and_its_state_until_the_run_begins(ray_local: None, tmp_path: Path) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self) -> int:
+            return 1
+
+    pending = Idle.options(resources={"no-such-resource": 1}).remote()  # type: ignore[attr-defined]
+    alive = Idle.remote()  # type: ignore[attr-defined]
+    ray.get(alive.ping.remote())
+    try:
+        for handle, state in ((pending, "PENDING_CREATION"), (alive, "alive for")):
+            run_dir = tmp_path / state.split()[0]
+            run_dir.mkdir()
+            mark_began(str(run_dir))  # an earlier fit()'s marker: the watch starts afresh
+            record = lambda h=handle: actor_record(h)  # noqa: E731
+            watch = StartWatch(str(run_dir), record, echo=False, say_after_s=0.2, repeat_s=0.3).start()
+            deadline = time.monotonic() + 30
+            while watch.said < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            lines = watch_lines(run_dir)
+            assert len(lines) >= 2, f"the watch said {lines} in 30 s"
+            assert f"(actor {handle._actor_id.hex()[:12]})" in lines[0] and state in lines[0]
+            mark_began(str(run_dir))  # what RunLog does at the controller's first state change
+            time.sleep(1.0)  # three repeat periods
+            said = watch.said
+            time.sleep(0.6)
+            watch.stop()
+            assert watch.said == said and len(watch_lines(run_dir)) == said  # silent once the run began
+    finally:
+        ray.kill(pending)
+        ray.kill(alive)
