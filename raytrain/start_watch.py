@@ -31,9 +31,15 @@ _STARTING = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
 
 
 def mark_began(run_dir: str) -> None:
-    """In the controller, at its first state change: record that the run loop has begun (`STARTED_FILE`)."""
-    with open(os.path.join(run_dir, STARTED_FILE), "w") as f:
-        f.write(f"{os.getpid()} {time.time():.3f}\n")
+    """In the controller, at its first state change: record that the run loop has begun (`STARTED_FILE`). Never
+    raises: Ray Train would fail the run for a callback's exception, and a mark not written only leaves the watch
+    talking."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, STARTED_FILE), "w") as f:
+            f.write(f"{os.getpid()} {time.time():.3f}\n")
+    except OSError:
+        pass
 
 
 def describe_controller_wait(

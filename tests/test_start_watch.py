@@ -39,6 +39,15 @@ def test_each_gcs_state_of_a_controller_not_begun_is_said_in_words(record: Any, 
     )
 
 
+def test_a_mark_that_cannot_be_written_does_not_raise_in_the_controller(tmp_path: Path) -> None:
+    """Ray Train fails the run for a callback's exception: a run directory the controller cannot write to (here a
+    file where the directory should be) leaves the watch talking, nothing more."""
+    not_a_dir = tmp_path / "run"
+    not_a_dir.write_text("")
+    mark_began(str(not_a_dir))
+    assert not_a_dir.is_file()
+
+
 def watch_lines(run_dir: Path) -> list[str]:
     log = run_dir / LOG_FILE
     return [line for line in log.read_text().splitlines() if "has not begun the run" in line] if log.exists() else []
