@@ -56,7 +56,10 @@ def describe_controller_wait(
         "checkpoint)"
     )
     if not record:
-        return f"{head}: raytrain has no handle on its actor yet (Ray Train creates it first); {tail}"
+        return (
+            f"{head}: raytrain has no handle on its actor (Ray Train creates it first thing; raytrain sees it when "
+            f"fit() runs in the main thread); {tail}"
+        )
     actor, state = str(record.get("ActorID", "?"))[:12], str(record.get("State", "?"))
     head = head.replace("controller", f"controller (actor {actor})", 1)
     if state in _STARTING:
@@ -67,8 +70,9 @@ def describe_controller_wait(
     elif state == "ALIVE":
         alive_s = max(0.0, (now_ms - float(record.get("StartTime") or now_ms)) / 1000)
         why = (
-            f"the GCS has had it alive for {alive_s:.0f} s, yet this driver has not delivered its run call: Ray lost "
-            "the actor's ALIVE notification in this driver (a Ray fault, docs/guide.md#troubleshooting)"
+            f"the GCS has had it alive for {alive_s:.0f} s, yet its run loop has not begun, so Ray Train's run call "
+            "has not reached it (seen here once: this driver never got the actor's ALIVE notification, "
+            "docs/guide.md#troubleshooting)"
         )
     elif state == "RESTARTING":
         why = "its process died and Ray is restarting it"

@@ -20,7 +20,7 @@ from raytrain.start_watch import StartWatch, describe_controller_wait, mark_bega
 @pytest.mark.parametrize(
     ("record", "expected"),
     [
-        (None, "raytrain has no handle on its actor yet"),
+        (None, "raytrain has no handle on its actor"),
         ({"ActorID": "ab" * 16, "State": "PENDING_CREATION"}, "(actor abababababab) has not begun the run 31 s"),
         ({"ActorID": "ab" * 16, "State": "DEPENDENCIES_UNREADY"}, "Ray is still starting its process"),
         ({"ActorID": "ab" * 16, "State": "ALIVE", "StartTime": 1_000_000}, "the GCS has had it alive for 25 s"),
