@@ -326,17 +326,37 @@ def torch_trainer_class(tp: int, replica: int) -> Any:
     return RaytrainTorchTrainer
 
 
-def actor_record(handle: Any) -> dict[str, Any] | None:
-    """The GCS's record of the actor behind `handle` (`ActorID`, `State`, `StartTime` in ms, `DeathCause`, ...),
-    asked of the GCS directly (no dashboard); None without a handle or when the GCS does not answer."""
-    if handle is None:
-        return None
+def actor_id(handle: Any) -> str | None:
+    """The hex id of the actor behind `handle` (None for None)."""
+    return None if handle is None else str(handle._actor_id.hex())
+
+
+def actor_record(actor_id: str) -> dict[str, Any] | None:
+    """The GCS's record of actor `actor_id` (`ActorID`, `State`, `StartTime` in ms once alive, `DeathCause` as the
+    text of its error message, ...), asked of the GCS directly (no dashboard); None when the GCS has no record or
+    does not answer."""
     from ray._private import state
 
     try:
-        return state.actors(actor_id=handle._actor_id.hex()) or None
+        record = state.actors(actor_id=actor_id)
     except Exception:  # the GCS not answering: the caller says what it can without the record
         return None
+    if not record:
+        return None
+    return {**record, "DeathCause": death_cause_text(record.get("DeathCause"))}
+
+
+def death_cause_text(cause: Any) -> str:
+    """The error message of a GCS `ActorDeathCause` (a protobuf holding one of several contexts); "" for none."""
+    if cause is None:
+        return ""
+    if not hasattr(cause, "WhichOneof"):
+        return str(cause)
+    context = cause.WhichOneof("context")
+    if context is None:
+        return ""
+    detail = getattr(cause, context)
+    return str(getattr(detail, "error_message", "") or getattr(detail, "formatted_exception_string", "") or context)
 
 
 def short_node_id(node_id: str) -> str:

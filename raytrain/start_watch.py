@@ -9,12 +9,15 @@ word and no end.
 
 `StartWatch` is a driver thread: until `RunLog`'s first state change writes `<run_dir>/STARTED_FILE`
 (`mark_began`), it says after `SAY_AFTER_S` seconds, then every `REPEAT_S`, what the GCS knows of the controller
-actor and what that means (`describe_controller_wait`). It changes nothing about the run: Ctrl-C stops it, and
-`fit()` again resumes from the newest checkpoint.
+actor and what that means (`describe_controller_wait`). That first state change comes in the controller's `run`;
+only when one of Ray Train's start callbacks fails does it come in the constructor, and the run then ends at once
+with that error. The watch changes nothing about the run: Ctrl-C stops it, and the same run started again resumes
+from the newest checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -26,8 +29,6 @@ from raytrain.console import append_line, say
 STARTED_FILE = ".controller-began"  # in the run directory: written by the controller when its run loop begins
 SAY_AFTER_S = 30.0  # seconds from `fit()` handing over to Ray Train until the first line
 REPEAT_S = 60.0  # then one line per this many seconds
-
-_STARTING = ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
 
 
 def mark_began(run_dir: str) -> None:
@@ -43,40 +44,45 @@ def mark_began(run_dir: str) -> None:
 
 
 def describe_controller_wait(
-    waited_s: float, record: dict[str, Any] | None, now_ms: float, repeat_s: float = REPEAT_S
+    waited_s: float, actor_id: str | None, record: dict[str, Any] | None, now_ms: float, repeat_s: float = REPEAT_S
 ) -> str:
     """One line on a controller that has not begun the run `waited_s` seconds after `fit()` handed over.
 
-    `record` is the GCS's actor record (`ray._private.state.actors(actor_id=...)`: `ActorID`, `State`,
-    `StartTime` in ms, `DeathCause`) or None when the actor is not known yet; `now_ms` the wall clock in ms;
-    `repeat_s` how often the line is said again."""
+    `actor_id` is the controller's actor id (hex), None while raytrain has no handle on it; `record` the GCS's
+    actor record (`raytrain.ray_hooks.actor_record`: `State`, `StartTime` in ms, `DeathCause` as text), None when
+    the GCS has none or does not answer; `now_ms` the wall clock in ms; `repeat_s` how often the line is repeated."""
     head = f"Ray Train's controller has not begun the run {waited_s:.0f} s after fit() started it"
     tail = (
-        f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops, and fit() again resumes from the newest "
-        "checkpoint)"
+        f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops it, and the same run started again in a new "
+        "process resumes from the newest checkpoint)"
     )
-    if not record:
-        return (
-            f"{head}: raytrain has no handle on its actor (Ray Train creates it first thing; raytrain sees it when "
-            f"fit() runs in the main thread); {tail}"
-        )
-    actor, state = str(record.get("ActorID", "?"))[:12], str(record.get("State", "?"))
-    head = head.replace("controller", f"controller (actor {actor})", 1)
-    if state in _STARTING:
+    if actor_id is None:
         why = (
-            f"Ray is still starting its process (GCS state {state}: a runtime environment being set up, or a node "
-            "short of memory or worker processes)"
+            "raytrain has no handle on its actor yet (Ray Train creates it once the training function and its "
+            "arguments are stored; raytrain sees the handle when fit() runs in the main thread)"
+        )
+        return f"{head}: {why}; {tail}"
+    head = head.replace("controller", f"controller (actor {actor_id[:12]})", 1)
+    state = str(record.get("State", "?")) if record else None
+    if state is None:
+        why = "the GCS has no record of its actor (its registration is pending, or the GCS did not answer)"
+    elif state == "DEPENDENCIES_UNREADY":
+        why = "the GCS is waiting for its creation arguments from this driver (GCS state DEPENDENCIES_UNREADY)"
+    elif state == "PENDING_CREATION":
+        why = (
+            "Ray is placing or starting its process or running its constructor (GCS state PENDING_CREATION: a "
+            "runtime environment being set up, a node short of memory or worker processes)"
         )
     elif state == "ALIVE":
+        assert record is not None
         alive_s = max(0.0, (now_ms - float(record.get("StartTime") or now_ms)) / 1000)
         why = (
             f"the GCS has had it alive for {alive_s:.0f} s, yet its run loop has not begun, so Ray Train's run call "
             "has not reached it (seen here once: this driver never got the actor's ALIVE notification, "
             "docs/guide.md#troubleshooting)"
         )
-    elif state == "RESTARTING":
-        why = "its process died and Ray is restarting it"
     elif state == "DEAD":
+        assert record is not None
         cause = " ".join(str(record.get("DeathCause") or "no cause recorded").split())[:200]
         why = f"it died before beginning ({cause}); Ray's error follows"
     else:
@@ -87,25 +93,27 @@ def describe_controller_wait(
 class StartWatch:
     """A daemon thread on the driver saying what `fit()` waits for until the controller begins the run.
 
-    `controller` returns the GCS's record of the controller's actor (`raytrain.ray_hooks.actor_record`), None
-    before Ray Train created it. Lines go to `<run_dir>/raytrain.log`, and to the console too when `echo` (no
-    `RunLogTail` prints the log)."""
+    `controller_id` returns the controller's actor id (None before raytrain has its handle); `ask_gcs` the GCS's
+    record of an actor id (`raytrain.ray_hooks.actor_record`). Lines go to `<run_dir>/raytrain.log`, and to the
+    console too when `echo` (no `RunLogTail` prints the log)."""
 
     def __init__(
         self,
         run_dir: str,
-        controller: Callable[[], dict[str, Any] | None],
+        controller_id: Callable[[], str | None],
+        ask_gcs: Callable[[str], dict[str, Any] | None],
         echo: bool,
         say_after_s: float | None = None,
         repeat_s: float | None = None,
     ) -> None:
-        self.run_dir, self.controller, self.echo = run_dir, controller, echo
+        self.run_dir, self.controller_id, self.ask_gcs, self.echo = run_dir, controller_id, ask_gcs, echo
         self.say_after_s = SAY_AFTER_S if say_after_s is None else say_after_s
         self.repeat_s = REPEAT_S if repeat_s is None else repeat_s
         self.said = 0
         self._marker = os.path.join(run_dir, STARTED_FILE)
-        if os.path.exists(self._marker):  # an earlier fit() of this run directory (the run lock is held)
+        with contextlib.suppress(FileNotFoundError):  # an earlier fit() of this run directory (the run lock is held)
             os.remove(self._marker)
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-start-watch", daemon=True)
 
@@ -116,9 +124,11 @@ class StartWatch:
         return self
 
     def stop(self) -> None:
-        """Stop the thread (at `fit()`'s end, whatever the outcome)."""
+        """Stop the thread (at `fit()`'s end, whatever the outcome; again or before `start`: nothing more). A
+        question to the GCS in flight is not waited for beyond 2 s (the thread is a daemon)."""
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=2.0)
 
     def began(self) -> bool:
         """True once the controller has written `STARTED_FILE`."""
@@ -131,13 +141,18 @@ class StartWatch:
                 return
             waited = time.monotonic() - self._started
             if waited >= next_say:
-                self._say(waited)
+                try:
+                    self._say(waited)
+                except Exception:  # e.g. the run directory gone: the run itself is not this thread's to fail
+                    return
                 next_say = waited + self.repeat_s
 
     def _say(self, waited_s: float) -> None:
-        line = describe_controller_wait(waited_s, self.controller(), time.time() * 1000, self.repeat_s)
-        if self.began():  # it began while the GCS was asked
+        actor_id = self.controller_id()
+        record = self.ask_gcs(actor_id) if actor_id is not None else None
+        if self.began() or self._stop.is_set():  # it began, or fit() ended, while the GCS was asked
             return
+        line = describe_controller_wait(waited_s, actor_id, record, time.time() * 1000, self.repeat_s)
         append_line(self.run_dir, f"[raytrain] {line}")
         if self.echo:
             say(line)

@@ -744,6 +744,7 @@ class ElasticTrainer:
             RefreshClusterView,
             RunLog,
             StopRepeatedUserErrors,
+            actor_id,
             actor_record,
             torch_trainer_class,
         )
@@ -793,15 +794,18 @@ class ElasticTrainer:
                 callbacks=hooks,  # type: ignore[arg-type]  # V2 callbacks; V1 stubs
             ),
         )
-        tail = RunLogTail(run_dir).start() if is_quiet() else None
-        watch = StartWatch(run_dir, lambda: actor_record(trainer.controller), echo=tail is None).start()
+        quiet = is_quiet()
+        watch = StartWatch(run_dir, lambda: actor_id(trainer.controller), actor_record, echo=not quiet)
+        tail = RunLogTail(run_dir).start() if quiet else None
         try:
+            watch.start()
             result = trainer.fit()
         except ControllerError as err:  # raytrain's controller callback stopped a bug from being retried
             if isinstance(err.controller_failure, UserCodeError):
                 raise err.controller_failure from None
             raise
         except KeyboardInterrupt:  # Ctrl-C, at any moment (start-up retries included): stop the run now
+            watch.stop()  # before the controller is killed: no line on its death after this one
             trainer.stop()
             say(f"interrupted: {describe_latest(storage)}; fit() again (the same run_name) resumes from it")
             raise

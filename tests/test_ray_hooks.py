@@ -129,11 +129,23 @@ def test_what_the_start_watch_reads_the_controllers_wait_from() -> None:
     """`raytrain.start_watch`: the GCS's actor record by id; the controller's first state change comes in `run`
     (its `__init__` only sets the initial state), so `RunLog`'s first call means the run loop has begun."""
     from ray._private import state
+    from ray.core.generated import common_pb2
     from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    from raytrain.ray_hooks import death_cause_text
 
     assert parameters(state.actors)[0] == "actor_id"
     assert "self._set_state(" not in inspect.getsource(TrainController.__init__)
+    # the constructor's `_start` changes the state only when a start callback failed (the run then ends at once)
+    start = inspect.getsource(TrainController._start)
+    assert start.count("self._set_state(") == 1 and start.index("if failure_result") < start.index("self._set_state(")
     assert "_run_control_loop_iteration" in inspect.getsource(TrainController.run)
+    cause = common_pb2.ActorDeathCause()  # the record's DeathCause: a protobuf with one of several contexts
+    assert death_cause_text(cause) == ""
+    cause.actor_died_error_context.error_message = "The actor died because its worker process exited"
+    assert death_cause_text(cause) == "The actor died because its worker process exited"
+    cause.runtime_env_failed_context.error_message = "pip install failed"
+    assert death_cause_text(cause) == "pip install failed"
 
 
 def test_the_driver_printer_that_is_made_one_line() -> None:

@@ -13,29 +13,32 @@ from typing import Any
 import pytest
 
 from raytrain.console import LOG_FILE
-from raytrain.ray_hooks import actor_record
+from raytrain.ray_hooks import actor_id, actor_record
 from raytrain.start_watch import StartWatch, describe_controller_wait, mark_began
+
+ID = "ab" * 16
 
 
 @pytest.mark.parametrize(
-    ("record", "expected"),
+    ("actor_id", "record", "expected"),
     [
-        (None, "raytrain has no handle on its actor"),
-        ({"ActorID": "ab" * 16, "State": "PENDING_CREATION"}, "(actor abababababab) has not begun the run 31 s"),
-        ({"ActorID": "ab" * 16, "State": "DEPENDENCIES_UNREADY"}, "Ray is still starting its process"),
-        ({"ActorID": "ab" * 16, "State": "ALIVE", "StartTime": 1_000_000}, "the GCS has had it alive for 25 s"),
-        ({"ActorID": "ab" * 16, "State": "RESTARTING"}, "its process died and Ray is restarting it"),
-        (
-            {"ActorID": "ab" * 16, "State": "DEAD", "DeathCause": "out of\n memory"},
-            "died before beginning (out of memory)",
-        ),
+        (None, None, "raytrain has no handle on its actor yet"),
+        (ID, None, "(actor abababababab) has not begun the run 31 s after fit() started it: the GCS has no record"),
+        (ID, {"State": "DEPENDENCIES_UNREADY"}, "waiting for its creation arguments from this driver"),
+        (ID, {"State": "PENDING_CREATION"}, "placing or starting its process or running its constructor"),
+        (ID, {"State": "ALIVE", "StartTime": 1_000_000}, "the GCS has had it alive for 25 s, yet its run loop"),
+        (ID, {"State": "DEAD", "DeathCause": "out of\n memory"}, "died before beginning (out of memory)"),
+        (ID, {"State": "DEAD", "DeathCause": ""}, "died before beginning (no cause recorded)"),
     ],
 )
-def test_each_gcs_state_of_a_controller_not_begun_is_said_in_words(record: Any, expected: str) -> None:
-    line = describe_controller_wait(31.2, record, now_ms=1_025_000, repeat_s=60)
+def test_each_gcs_state_of_a_controller_not_begun_is_said_in_words(
+    actor_id: str | None, record: Any, expected: str
+) -> None:
+    line = describe_controller_wait(31.2, actor_id, record, now_ms=1_025_000, repeat_s=60)
     assert expected in line
     assert line.endswith(
-        "still waiting (said again every 60 s; Ctrl-C stops, and fit() again resumes from the newest checkpoint)"
+        "(said again every 60 s; Ctrl-C stops it, and the same run started again in a new process "
+        "resumes from the newest checkpoint)"
     )
 
 
@@ -70,8 +73,9 @@ def test_the_watch_names_the_actor_and_its_state_until_the_run_begins(ray_local:
             run_dir = tmp_path / state.split()[0]
             run_dir.mkdir()
             mark_began(str(run_dir))  # an earlier fit()'s marker: the watch starts afresh
-            record = lambda h=handle: actor_record(h)  # noqa: E731
-            watch = StartWatch(str(run_dir), record, echo=False, say_after_s=0.2, repeat_s=0.3).start()
+            watch = StartWatch(
+                str(run_dir), lambda h=handle: actor_id(h), actor_record, echo=False, say_after_s=0.2, repeat_s=0.3
+            ).start()
             deadline = time.monotonic() + 30
             while watch.said < 2 and time.monotonic() < deadline:
                 time.sleep(0.1)

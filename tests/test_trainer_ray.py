@@ -30,6 +30,7 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
     said = [i for i, line in enumerate(log) if "Ray Train's controller" in line and "has not begun the run" in line]
     first_step = next(i for i, line in enumerate(log) if "step     1 |" in line)
     assert said and said[-1] < first_step, log  # it spoke, and stopped once the controller's run loop had begun
+    assert any("(actor " in log[i] for i in said), log  # with the controller's actor, once Ray Train created it
     lines = read_jsonl(result.metrics_path)
     # Rank 0 alone writes: one line per optimizer step, none duplicated by other ranks.
     assert [m["step"] for m in lines] == list(range(1, 11))
