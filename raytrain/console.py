@@ -18,7 +18,8 @@ from typing import Any, TextIO
 
 LOG_FILE = "raytrain.log"
 VERBOSE_ENV = "RAYTRAIN_VERBOSE"
-_state: dict[str, Any] = {"quiet": False, "out": None}  # Ray initialised quietly by raytrain; where lines go
+# Ray initialised quietly by raytrain; where lines go; whether the caller says where a Ctrl-C left the run
+_state: dict[str, Any] = {"quiet": False, "out": None, "caller_says_interrupt": False}
 
 
 def set_output(stream: TextIO | None) -> None:
@@ -29,6 +30,17 @@ def set_output(stream: TextIO | None) -> None:
 def output() -> TextIO:
     """Where raytrain's driver lines go (stdout unless `set_output` chose otherwise)."""
     return _state["out"] or sys.stdout
+
+
+def leave_interrupt_line_to_caller() -> None:
+    """Called by the `raytrain` CLI, which says where a Ctrl-C left the run and the command that resumes it:
+    `fit()` then does not say it too (one line, not two)."""
+    _state["caller_says_interrupt"] = True
+
+
+def interrupt_line_left_to_caller() -> bool:
+    """True after `leave_interrupt_line_to_caller()`."""
+    return bool(_state["caller_says_interrupt"])
 
 
 DETAIL_PREFIX = "[raytrain:detail]"  # raytrain.log lines kept for the record, not echoed on the console

@@ -354,7 +354,8 @@ class LoopMemory:
     `parts` maps a kind to its bytes: params (fp32 masters, or their shards), grads (whole for DDP, shards for
     FSDP), optimizer (states), ddp_buckets, gathered (FSDP's unsharded parameters alive at once), unit_transient
     (what FSDP allocates around one unit's backward: its unsharded gradient and reduce-scatter buffer, and for
-    zero3 the unit's and the prefetched unit's gathered parameters), accumulated_grads (the whole gradient held
+    zero3 the unit's and the prefetched unit's gathered parameters), grad_cast (zero2 in bf16/fp16: the unit's
+    gradient cast to fp32 for its reduce-scatter), accumulated_grads (the whole gradient held
     between micro-steps), cast (autocast's low-precision weight copies). Activations are not counted: they depend
     on the model and the micro-batch.
     """
@@ -392,10 +393,13 @@ def loop_memory(
         ddp    params 4Ψ + grads 4Ψ + DDP buckets 4Ψ (W > 1) + optimizer oΨ (+ cΨ autocast copies, c < 4)
         zero1  the same with the optimizer state oΨ/W
         zero2  shards (4 + o)Ψ/W + every unit gathered cΨ + (c + 4)U around one unit's backward
+               (+ 4U when c < 4: FSDP2 casts the unit's gradient to fp32, its reduce dtype, beside the
+               reduce-scatter's input buffer)
                + while accumulating (k > 1): gradient shards 4Ψ/W (sharded) or the whole gradient 4Ψ (unsharded)
         zero3  shards (4 + o)Ψ/W + (3c + 4)U around one unit's backward (its gathered parameters, the prefetched
                unit's, its unsharded gradient and reduce-scatter buffer) + cR (FSDP2 keeps the root gathered
-               from its forward to the end of the backward)
+               from its forward to the end of the backward); in bf16 the 10U measured are the unit's gathered
+               parameters, its gradient cast to fp32 and the reduce-scatter's input
                + gradient shards 4Ψ/W, or the whole gradient 4Ψ while accumulating unsharded (k > 1)
         both, accumulating sharded (k > 1): + 4U/W, the unit's new gradient shard (FSDP2's reduce-scatter
                output) beside the shard it is then added to
@@ -434,6 +438,8 @@ def loop_memory(
     if strategy == "zero2":
         parts["gathered"] = c * psi
         parts["unit_transient"] = (c + 4) * unit
+        if c != 4:
+            parts["grad_cast"] = 4 * unit
         if accumulating_whole:
             parts["accumulated_grads"] = 4 * psi
         elif k > 1:

@@ -19,8 +19,10 @@ from raytrain.errors import ConfigError
 from raytrain.optim import OptimizerFactory, call_optimizer_fn, check_shardable
 
 
-def _name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) or repr(fn)
+def _named(role: str, fn: Any) -> str:
+    """`role` and the function's name ("loss_fn mean_loss"), or `role` alone where the name is the role's."""
+    name = getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) or repr(fn)
+    return role if name == role else f"{role} {name}"
 
 
 def build_model_for_check(model_fn: Callable[[], nn.Module]) -> nn.Module:
@@ -33,11 +35,11 @@ def build_model_for_check(model_fn: Callable[[], nn.Module]) -> nn.Module:
         try:
             model = model_fn()
         except Exception as err:
-            raise ConfigError(f"model_fn {_name(model_fn)} raised {type(err).__name__}: {err}") from None
+            raise ConfigError(f"{_named('model_fn', model_fn)} raised {type(err).__name__}: {err}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model_fn {_name(model_fn)} must return a torch.nn.Module, got {type(model).__name__}")
+        raise ConfigError(f"{_named('model_fn', model_fn)} must return a torch.nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
-        raise ConfigError(f"model_fn {_name(model_fn)} returned a module without parameters: nothing to train")
+        raise ConfigError(f"{_named('model_fn', model_fn)} returned a module without parameters: nothing to train")
     return model
 
 
@@ -49,7 +51,7 @@ def check_optimizer_fn(optimizer_fn: OptimizerFactory, model: nn.Module, lr: flo
     except ConfigError:
         raise
     except Exception as err:
-        raise ConfigError(f"optimizer_fn {_name(optimizer_fn)} raised {type(err).__name__}: {err}") from None
+        raise ConfigError(f"{_named('optimizer_fn', optimizer_fn)} raised {type(err).__name__}: {err}") from None
     if strategy == "zero1":
         check_shardable(optimizer)
 
@@ -62,11 +64,11 @@ def check_lr_schedule_fn(fn: Callable[[int, int], float], total_steps: int) -> N
             value = fn(step, total_steps)
         except Exception as err:
             raise ConfigError(
-                f"lr_schedule_fn {_name(fn)}({step}, {total_steps}) raised {type(err).__name__}: {err}"
+                f"{_named('lr_schedule_fn', fn)}({step}, {total_steps}) raised {type(err).__name__}: {err}"
             ) from None
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise ConfigError(
-                f"lr_schedule_fn {_name(fn)}({step}, {total_steps}) must return a finite number >= 0 (a factor of "
+                f"{_named('lr_schedule_fn', fn)}({step}, {total_steps}) must return a finite number >= 0 (a factor of "
                 f"the peak LR), got {value!r}"
             )
 
@@ -77,11 +79,11 @@ def check_units_fn(units_fn: Callable[[nn.Module], list[nn.Module]], model: nn.M
     try:
         units = units_fn(model)
     except Exception as err:
-        raise ConfigError(f"units_fn {_name(units_fn)} raised {type(err).__name__}: {err}") from None
+        raise ConfigError(f"{_named('units_fn', units_fn)} raised {type(err).__name__}: {err}") from None
     members = {id(m) for m in model.modules() if m is not model}
     if not isinstance(units, list | tuple) or not all(isinstance(u, nn.Module) and id(u) in members for u in units):
         raise ConfigError(
-            f"units_fn {_name(units_fn)} must return a list of submodules of the model (not the model itself), "
+            f"{_named('units_fn', units_fn)} must return a list of submodules of the model (not the model itself), "
             f"got {units!r:.200}"
         )
 
@@ -126,7 +128,7 @@ def check_loss_fn(
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != rows:
         got = f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor) else type(losses).__name__
         raise ConfigError(
-            f"loss_fn {_name(loss_fn)} must return one loss per sample, a tensor of shape [{rows}] for {rows} "
+            f"{_named('loss_fn', loss_fn)} must return one loss per sample, a tensor of shape [{rows}] for {rows} "
             f"samples, got {got} (raytrain sums and normalises them itself: return e.g. "
             "F.cross_entropy(..., reduction='none'), not a mean)"
         )
@@ -145,7 +147,7 @@ def _call_loss(
 
 def _loss_error(loss_fn: Callable[..., Any], err: Exception, rows: int, columns: list[str]) -> ConfigError:
     return ConfigError(
-        f"loss_fn {_name(loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with columns "
+        f"{_named('loss_fn', loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with columns "
         f"{columns}"
     )
 
@@ -237,7 +239,8 @@ def check_stage_ties(
             if differ:
                 key = differ[0]
                 raise ConfigError(
-                    f"optimizer_fn {_name(optimizer_fn)} gives the tied parameter {name!r} (pipeline stage {first}) "
+                    f"{_named('optimizer_fn', optimizer_fn)} gives the tied parameter {name!r} "
+                    f"(pipeline stage {first}) "
                     f"{key}={options[index, first][key]!r} but its copy {other!r} (stage {stage}) "
                     f"{key}={options[index, stage].get(key)!r}: choose its group by something both names share "
                     "(e.g. the parameter's shape), as one process would see only the first name"

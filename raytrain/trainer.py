@@ -31,7 +31,7 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
-from raytrain.console import RunLogTail, append_line, init_ray, is_quiet, say
+from raytrain.console import RunLogTail, append_line, init_ray, interrupt_line_left_to_caller, is_quiet, say
 from raytrain.data.materialized import describe_run_length
 from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source, describe_reads
 from raytrain.errors import ConfigError, UserCodeError
@@ -112,8 +112,9 @@ def check_resumable(storage: RunStorage) -> None:
         )
 
 
-def describe_latest(storage: RunStorage) -> str:
-    """Where the run's latest committed checkpoint is (the one a resume restores), in a few words."""
+def describe_interrupt(storage: RunStorage) -> str:
+    """Where a Ctrl-C left the run: its latest committed checkpoint (the one a resume restores) and what `fit()`
+    with the same run_name does next, in one line."""
     from raytrain.checkpoint_files import latest_committed
 
     try:
@@ -121,8 +122,8 @@ def describe_latest(storage: RunStorage) -> str:
     except OSError as err:
         return f"the latest checkpoint in {storage.uri} could not be read ({err})"
     if found is None:
-        return f"no checkpoint was committed in {storage.uri} yet"
-    return f"the latest checkpoint is step {found[0]}, {found[1]}"
+        return f"no checkpoint was committed in {storage.uri} yet; fit() again (the same run_name) starts from step 0"
+    return f"the latest checkpoint is step {found[0]}, {found[1]}; fit() again (the same run_name) resumes from it"
 
 
 def cross_mode_resume(storage: RunStorage, run_dir: str, recovery: str) -> str | None:
@@ -313,10 +314,22 @@ def check_capacity(spec: TrainSpec) -> str | None:
         return None
     asked, have = describe_request(cluster.min_workers, bundle), describe_nodes(nodes, bundle)
     if started_here():
+        # a resource no node has enough of for one worker (a GPU on a CPU machine): more CPUs would not help
+        missing = [r for r, need in bundle.items() if r != "CPU" and not any(n.get(r, 0.0) >= need for n in nodes)]
+        if "GPU" in missing:
+            fix = "no node has a GPU for a worker: set use_gpu=False (`use_gpu = false` in a job file) to train on CPUs"
+        elif missing:
+            fix = (
+                f"no node has {', '.join(missing)} enough for a worker: declare it when starting Ray "
+                "(ray.init(resources=...)) or take it out of resources_per_worker"
+            )
+        else:
+            fix = (
+                f"let fit start Ray (it declares {local_cpus(spec)} logical CPUs for this run), or call "
+                f"connect_ray({local_cpus(spec)}) before building Ray datasets, or lower min_workers"
+            )
         raise ConfigError(
-            f"min_workers={cluster.min_workers} needs {asked}, and the local Ray instance holds {room} ({have}); "
-            f"let fit start Ray (it declares {local_cpus(spec)} logical CPUs for this run), or call "
-            f"connect_ray({local_cpus(spec)}) before building Ray datasets, or lower min_workers"
+            f"min_workers={cluster.min_workers} needs {asked}, and the local Ray instance holds {room} ({have}); {fix}"
         )
     return f"waiting for {asked}: the cluster holds {room} now ({have}); an autoscaler may add nodes"
 
@@ -807,7 +820,8 @@ class ElasticTrainer:
         except KeyboardInterrupt:  # Ctrl-C, at any moment (start-up retries included): stop the run now
             watch.stop()  # before the controller is killed: no line on its death after this one
             trainer.stop()
-            say(f"interrupted: {describe_latest(storage)}; fit() again (the same run_name) resumes from it")
+            if not interrupt_line_left_to_caller():  # the CLI says it, with the command that resumes
+                say(f"interrupted: {describe_interrupt(storage)}")
             raise
         finally:
             watch.stop()

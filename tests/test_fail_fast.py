@@ -31,6 +31,10 @@ def reads_a_missing_column(model: torch.nn.Module, batch: dict[str, torch.Tensor
     return (model(batch["x"]) - batch["label"]) ** 2
 
 
+def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return mean_loss(model, batch)
+
+
 def fails_on_sample_42(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Fine on the driver's first rows; raises in a worker at whichever step sample 42 lands (the same step on
     every attempt: deterministic order)."""
@@ -44,6 +48,7 @@ def fails_on_sample_42(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -
     [
         (mean_loss, r"loss_fn mean_loss must return one loss per sample, a tensor of shape \[2\] .* got shape \(\)"),
         (reads_a_missing_column, r"loss_fn reads_a_missing_column raised KeyError: 'label' on a batch of 2 samples"),
+        (loss_fn, r"^loss_fn must return one loss per sample"),  # a function named as its role: named once
     ],
 )
 def test_the_loss_is_checked_on_real_samples_on_the_driver(loss_fn, message: str) -> None:  # type: ignore[no-untyped-def]

@@ -57,12 +57,19 @@ import ray, sys
 sys.path.insert(0, {str(REPO / "tests")!r})
 from ray_helpers import make_trainer
 from raytrain.errors import ConfigError
+from dataclasses import replace
 from pathlib import Path
 ray.init(address="local", num_cpus=2, include_dashboard=False)
 try:
     make_trainer(Path({str(tmp_path)!r}), "small", workers=3, steps=2).fit()
 except ConfigError as err:
     print("REFUSED:", err)
+gpu = make_trainer(Path({str(tmp_path)!r}), "gpu", workers=1, steps=2)
+gpu.spec = replace(gpu.spec, cluster=replace(gpu.spec.cluster, use_gpu=True))
+try:
+    gpu.fit()
+except ConfigError as err:
+    print("GPU REFUSED:", err)
 """
     # bounded by the timeout: it waited forever before
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180, env=_env())
@@ -70,6 +77,10 @@ except ConfigError as err:
         done.stdout
     ), done.stdout[-2000:] + done.stderr[-2000:]
     assert "connect_ray(4)" in done.stdout
+    # a GPU asked on a machine without one: the advice is about the GPU, not about CPUs
+    assert "GPU REFUSED: min_workers=1 needs 1 worker of CPU 1, GPU 1" in done.stdout, done.stdout[-2000:]
+    assert "no node has a GPU for a worker: set use_gpu=False" in done.stdout.split("GPU REFUSED:")[1]
+    assert "connect_ray" not in done.stdout.split("GPU REFUSED:")[1]
 
 
 def test_ctrl_c_stops_a_run_whose_workers_cannot_start(tmp_path: Path) -> None:
@@ -91,10 +102,14 @@ def test_ctrl_c_stops_a_run_whose_workers_cannot_start(tmp_path: Path) -> None:
             wait_for("the driver to say what it waits for", lambda: log.exists() and "waiting" in log.read_text(), 180)
             time.sleep(5)  # the controller is now trying to start the worker group
             run.send_signal(signal.SIGINT)
-            _, stderr = run.communicate(timeout=60)  # bounded: Ctrl-C was lost in Ray's handler before
+            stdout, stderr = run.communicate(timeout=60)  # bounded: Ctrl-C was lost in Ray's handler before
         finally:
             if run.poll() is None:
                 run.kill()
     assert "waiting for 3 workers of CPU 1: the cluster holds 2 now (1 node: CPU 2)" in log.read_text()
     assert run.returncode == 130, stderr[-3000:]
     assert "raytrain: interrupted;" in stderr and "Traceback" not in stderr, stderr[-3000:]
+    # one line, the CLI's (fit() leaves it to the CLI), and with no checkpoint yet it says the run starts over
+    assert "interrupted" not in stdout, stdout[-3000:]
+    assert "no checkpoint was committed yet in" in stderr, stderr[-3000:]
+    assert "the same command starts from step 0: raytrain fit" in stderr, stderr[-3000:]

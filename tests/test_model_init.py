@@ -140,6 +140,9 @@ def test_loop_memory_follows_the_strategies_structure() -> None:
     assert whole.parts["accumulated_grads"] == 4 * psi and "grads" not in whole.parts
     bf16 = loop_memory(psi, "zero2", 4, largest_unit_params=unit, precision="bf16")
     assert bf16.parts["gathered"] == 2 * psi  # every unit gathered, in bf16
+    # around a unit's backward: its bf16 gradient and the fp32 reduce-scatter input, and the gradient cast to fp32
+    assert (bf16.parts["unit_transient"], bf16.parts["grad_cast"]) == (6 * unit, 4 * unit)
+    assert "grad_cast" not in loop_memory(psi, "zero2", 4, largest_unit_params=unit).parts  # fp32: nothing to cast
     zero2 = loop_memory(psi, "zero2", 4, largest_unit_params=unit, accumulation_steps=4, grad_accumulation="sharded")
     assert zero3.total < zero2.total < ddp.total
     with pytest.raises(ConfigError, match="grad_accumulation must be unsharded or sharded, got 'auto'"):

@@ -220,7 +220,8 @@ def test_steps_without_epochs_train_the_steps_and_both_say_which_ends_the_run() 
         "run length: epochs=1 ends the run at step 79 (79 steps per epoch), before max_steps=100"
     )
     assert describe_run_length(79 * 16, 16, False, LoopConfig(epochs=3, max_steps=100)) == (
-        "run length: max_steps=100 ends the run, in epoch 2 of 3 (79 steps per epoch)"
+        "run length: max_steps=100 ends the run in epoch 1 (of epochs 0-2, counted from 0 as the metrics count them; "
+        "79 steps per epoch)"  # step 100 is in the second epoch, which metrics.jsonl and "done: last epoch" call 1
     )
     assert (
         describe_run_length(79 * 16, 16, False, LoopConfig(epochs=2)) == "run length: 2 epoch(s) of 79 steps, 158 steps"

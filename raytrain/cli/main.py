@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from raytrain.console import VERBOSE_ENV, say, set_output
+from raytrain.console import VERBOSE_ENV, leave_interrupt_line_to_caller, say, set_output
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.run_lock import run_lock
 
@@ -479,7 +479,7 @@ def _add_fit_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "fit",
         help="train from a TOML config file (on RAY_ADDRESS's cluster, or a local Ray instance)",
-        description="Run a training job described by a TOML file (see raytrain/cli/fit_config.py for the format). "
+        description="Run a training job described by a TOML file (its keys: docs/config.md). "
         "Flags override the file. With RAY_ADDRESS set (as under `ray job submit`) it trains on that cluster; "
         "otherwise it starts a local Ray instance.",
         epilog="examples:\n"
@@ -655,14 +655,15 @@ def _resume_hint(args: argparse.Namespace) -> str:
         )
     except OSError as err:  # object storage unreachable while interrupted: say so, never a traceback
         return f"the latest checkpoint in {where} could not be read ({err})"
-    if found is None:
-        return "no checkpoint was committed yet" + (f" in {where}" if where else "")
-    step, path = found
-    if storage is not None:
-        path = f"{storage.uri}/{posixpath.basename(path)}"
     command = ["raytrain", *sys.argv[1:]]
     if args.command == "demo" and "--run-name" not in command:
         command += ["--run-name", args.run_name]
+    if found is None:
+        where = f" in {where}" if where else ""
+        return f"no checkpoint was committed yet{where}; the same command starts from step 0: {shlex.join(command)}"
+    step, path = found
+    if storage is not None:
+        path = f"{storage.uri}/{posixpath.basename(path)}"
     return f"the last checkpoint is {path} (step {step}); resume with: {shlex.join(command)}"
 
 
@@ -701,6 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[VERBOSE_ENV] = "1"  # Ray's own output on the driver (`raytrain.console`)
     if getattr(args, "json", False):
         set_output(sys.stderr)  # stdout carries the JSON object only
+    leave_interrupt_line_to_caller()  # Ctrl-C: one line, below, with the command that resumes
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

@@ -259,8 +259,8 @@ def describe_run_length(num_rows: int, global_batch: int, drop_last: bool, loop:
             f"before max_steps={loop.max_steps}"
         )
     return (
-        f"run length: max_steps={loop.max_steps} ends the run, in epoch {(loop.max_steps - 1) // per_epoch + 1} of "
-        f"{loop.epochs} ({per_epoch} steps per epoch)"
+        f"run length: max_steps={loop.max_steps} ends the run in epoch {(loop.max_steps - 1) // per_epoch} "
+        f"(of epochs 0-{loop.epochs - 1}, counted from 0 as the metrics count them; {per_epoch} steps per epoch)"
     )
 
 
