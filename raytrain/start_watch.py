@@ -51,7 +51,8 @@ def describe_controller_wait(
     `actor_id` is the controller's actor id (hex), None while raytrain has no handle on it; `record` the GCS's
     actor record (`raytrain.ray_hooks.actor_record`: `State`, `StartTime` in ms, `DeathCause` as text), None when
     the GCS has none or does not answer; `now_ms` the wall clock in ms; `repeat_s` how often the line is repeated."""
-    head = f"Ray Train's controller has not begun the run {waited_s:.0f} s after fit() started it"
+    controller = "Ray Train's controller" + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
+    head = f"{controller} has not begun the run {waited_s:.0f} s after fit() started it"
     tail = (
         f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops it, and the same run started again in a new "
         "process resumes from the newest checkpoint)"
@@ -62,7 +63,6 @@ def describe_controller_wait(
             "arguments are stored; raytrain sees the handle when fit() runs in the main thread)"
         )
         return f"{head}: {why}; {tail}"
-    head = head.replace("controller", f"controller (actor {actor_id[:12]})", 1)
     state = str(record.get("State", "?")) if record else None
     if state is None:
         why = "the GCS has no record of its actor (its registration is pending, or the GCS did not answer)"
@@ -109,11 +109,10 @@ class StartWatch:
         self.run_dir, self.controller_id, self.ask_gcs, self.echo = run_dir, controller_id, ask_gcs, echo
         self.say_after_s = SAY_AFTER_S if say_after_s is None else say_after_s
         self.repeat_s = REPEAT_S if repeat_s is None else repeat_s
-        self.said = 0
         self._marker = os.path.join(run_dir, STARTED_FILE)
         with contextlib.suppress(FileNotFoundError):  # an earlier fit() of this run directory (the run lock is held)
             os.remove(self._marker)
-        self._started = time.monotonic()
+        self._started = 0.0  # set by start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="raytrain-start-watch", daemon=True)
 
@@ -156,4 +155,3 @@ class StartWatch:
         append_line(self.run_dir, f"[raytrain] {line}")
         if self.echo:
             say(line)
-        self.said += 1

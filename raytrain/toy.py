@@ -16,11 +16,19 @@ import torch
 from torch import nn
 
 
+def regression_weights(features: int = 8) -> np.ndarray:
+    """The weights w of `regression_arrays`' problem y = tanh(x @ w) + noise: fixed by the feature count alone."""
+    return np.random.default_rng([features, 0]).normal(size=features).astype(np.float32)
+
+
 def regression_arrays(num_rows: int, features: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
-    """A noisy nonlinear regression problem: columns "id" (int64), "x" (float32 [features]) and "y" (float32)."""
+    """A noisy nonlinear regression problem: columns "id" (int64), "x" (float32 [features]) and "y" (float32).
+
+    The problem (y = tanh(x @ w) + noise) is one per feature count, whatever `seed` and `num_rows`; `seed` draws
+    the samples: so `seed=1` is a validation set of the same problem as the training set of `seed=0`."""
+    w = regression_weights(features)
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(num_rows, features)).astype(np.float32)
-    w = rng.normal(size=features).astype(np.float32)
     y = (np.tanh(x @ w) + 0.1 * rng.normal(size=num_rows)).astype(np.float32)
     return {"id": np.arange(num_rows, dtype=np.int64), "x": x, "y": y}
 

@@ -226,3 +226,19 @@ def test_steps_without_epochs_train_the_steps_and_both_say_which_ends_the_run() 
     assert (
         describe_run_length(79 * 16, 16, False, LoopConfig(epochs=2)) == "run length: 2 epoch(s) of 79 steps, 158 steps"
     )
+
+
+@pytest.mark.parametrize("features", [8, 16])
+def test_toy_regression_seeds_draw_samples_of_one_problem(features: int) -> None:
+    """README's validation set (`seed=1`, 256 rows) is the training set's problem (`seed=0`, 2048 rows) on other
+    samples: y follows tanh(x @ w) with the same w for every seed and size (it was redrawn per seed and size)."""
+    import numpy as np
+
+    from raytrain.toy import regression_arrays, regression_weights
+
+    w = regression_weights(features)
+    for rows, seed in ((2048, 0), (256, 1), (320, 7)):
+        data = regression_arrays(rows, features, seed)
+        residual = data["y"] - np.tanh(data["x"] @ w)
+        assert float(np.abs(residual).max()) < 0.6 and 0.05 < float(residual.std()) < 0.15  # noise 0.1 only
+    assert not np.array_equal(regression_arrays(256, features, 0)["x"], regression_arrays(256, features, 1)["x"])
