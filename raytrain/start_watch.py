@@ -43,6 +43,14 @@ def mark_began(run_dir: str) -> None:
         pass
 
 
+def still_waiting(repeat_s: float) -> str:
+    """The end of every wait line: it goes on, how often it is said, and what the user can do."""
+    return (
+        f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops it, and the same run started again in a new "
+        "process resumes from the newest checkpoint)"
+    )
+
+
 def describe_controller_wait(
     waited_s: float, actor_id: str | None, record: dict[str, Any] | None, now_ms: float, repeat_s: float = REPEAT_S
 ) -> str:
@@ -53,41 +61,69 @@ def describe_controller_wait(
     the GCS has none or does not answer; `now_ms` the wall clock in ms; `repeat_s` how often the line is repeated."""
     controller = "Ray Train's controller" + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
     head = f"{controller} has not begun the run {waited_s:.0f} s after fit() started it"
-    tail = (
-        f"still waiting (said again every {repeat_s:.0f} s; Ctrl-C stops it, and the same run started again in a new "
-        "process resumes from the newest checkpoint)"
-    )
+    tail = still_waiting(repeat_s)
     if actor_id is None:
         why = (
             "raytrain has no handle on its actor yet (Ray Train creates it once the training function and its "
             "arguments are stored; raytrain sees the handle when fit() runs in the main thread)"
         )
         return f"{head}: {why}; {tail}"
-    state = str(record.get("State", "?")) if record else None
-    if state is None:
-        why = "the GCS has no record of its actor (its registration is pending, or the GCS did not answer)"
-    elif state == "DEPENDENCIES_UNREADY":
-        why = "the GCS is waiting for its creation arguments from this driver (GCS state DEPENDENCIES_UNREADY)"
-    elif state == "PENDING_CREATION":
-        why = (
-            "Ray is placing or starting its process or running its constructor (GCS state PENDING_CREATION: a "
-            "runtime environment being set up, a node short of memory or worker processes)"
-        )
-    elif state == "ALIVE":
-        assert record is not None
-        alive_s = max(0.0, (now_ms - float(record.get("StartTime") or now_ms)) / 1000)
-        why = (
+
+    def alive(alive_s: float) -> str:
+        return (
             f"the GCS has had it alive for {alive_s:.0f} s, yet its run loop has not begun, so Ray Train's run call "
             "has not reached it (seen here once: this driver never got the actor's ALIVE notification, "
             "docs/guide.md#troubleshooting)"
         )
-    elif state == "DEAD":
-        assert record is not None
+
+    return f"{head}: {gcs_state_words(record, now_ms, alive, 'before beginning')}; {tail}"
+
+
+def describe_actor_wait(
+    actor: str,
+    call: str,
+    waited_s: float,
+    actor_id: str | None,
+    record: dict[str, Any] | None,
+    now_ms: float,
+    repeat_s: float = REPEAT_S,
+) -> str:
+    """One line on a call to an actor of raytrain's (`actor` in words, e.g. "raytrain's live log actor") not
+    answered `waited_s` seconds after the driver made it; `actor_id`, `record`, `now_ms` and `repeat_s` as for
+    `describe_controller_wait`."""
+    name = actor + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
+    head = f"no answer from {name} to {call} {waited_s:.0f} s after the driver asked"
+    tail = still_waiting(repeat_s)
+
+    def alive(alive_s: float) -> str:
+        return (
+            f"the GCS has had it alive for {alive_s:.0f} s: it is busy, or the call has not reached it (seen here "
+            "once: a driver that never got an actor's ALIVE notification, docs/guide.md#troubleshooting)"
+        )
+
+    return f"{head}: {gcs_state_words(record, now_ms, alive, '')}; {tail}"
+
+
+def gcs_state_words(record: dict[str, Any] | None, now_ms: float, alive: Callable[[float], str], died_when: str) -> str:
+    """What the GCS's record of an actor (`raytrain.ray_hooks.actor_record`; None: no record) means for a caller
+    waiting on it; `alive(seconds)` words the ALIVE state, `died_when` qualifies a death ("before beginning")."""
+    state = str(record.get("State", "?")) if record else None
+    if state is None:
+        return "the GCS has no record of its actor (its registration is pending, or the GCS did not answer)"
+    if state == "DEPENDENCIES_UNREADY":
+        return "the GCS is waiting for its creation arguments from this driver (GCS state DEPENDENCIES_UNREADY)"
+    if state == "PENDING_CREATION":
+        return (
+            "Ray is placing or starting its process or running its constructor (GCS state PENDING_CREATION: a "
+            "runtime environment being set up, a node short of memory or worker processes)"
+        )
+    assert record is not None
+    if state == "ALIVE":
+        return alive(max(0.0, (now_ms - float(record.get("StartTime") or now_ms)) / 1000))
+    if state == "DEAD":
         cause = " ".join(str(record.get("DeathCause") or "no cause recorded").split())[:200]
-        why = f"it died before beginning ({cause}); Ray's error follows"
-    else:
-        why = f"GCS state {state}"
-    return f"{head}: {why}; {tail}"
+        return f"it died{' ' + died_when if died_when else ''} ({cause}); Ray's error follows"
+    return f"GCS state {state}"
 
 
 class StartWatch:

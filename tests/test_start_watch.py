@@ -2,7 +2,8 @@
 
 The line for each GCS state is pure; the watch itself runs against real actors on the shared local instance (one
 that cannot be placed, one alive that is never called), and `test_trainer_ray.py`'s end-to-end run checks that
-`fit()` starts and stops it."""
+`fit()` starts and stops it. Live mode's driver waits on its log actor the same way (`get_said`): checked against
+an actor slow to answer and one that cannot be placed."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from raytrain.console import LOG_FILE
 from raytrain.ray_hooks import actor_id, actor_record
-from raytrain.start_watch import StartWatch, describe_controller_wait, mark_began
+from raytrain.start_watch import StartWatch, describe_actor_wait, describe_controller_wait, mark_began
 
 ID = "ab" * 16
 
@@ -91,3 +92,50 @@ def test_the_watch_names_the_actor_and_its_state_until_the_run_begins(ray_local:
     finally:
         ray.kill(pending)
         ray.kill(alive)
+
+
+@pytest.mark.parametrize(
+    ("record", "expected"),
+    [
+        (None, "the GCS has no record of its actor"),
+        ({"State": "PENDING_CREATION"}, "placing or starting its process or running its constructor"),
+        ({"State": "ALIVE", "StartTime": 1_000_000}, "alive for 25 s: it is busy, or the call has not reached it"),
+        ({"State": "DEAD", "DeathCause": "killed"}, "it died (killed); Ray's error follows"),
+    ],
+)
+def test_a_call_to_one_of_raytrains_actors_not_answered_is_said_in_words(record: Any, expected: str) -> None:
+    line = describe_actor_wait("raytrain's live log actor", "fence()", 31.2, ID, record, 1_025_000, repeat_s=60)
+    assert line.startswith("no answer from raytrain's live log actor (actor abababababab) to fence() 31 s after")
+    assert expected in line and line.endswith("resumes from the newest checkpoint)")
+
+
+@pytest.mark.ray
+def test_live_modes_driver_says_what_its_log_actor_has_not_answered(ray_local: None, tmp_path: Path) -> None:
+    import threading
+
+    import ray
+
+    from raytrain.live.driver import get_said
+
+    @ray.remote(num_cpus=0)
+    class Log:
+        def slow(self, seconds: float) -> str:
+            time.sleep(seconds)
+            return "answered"
+
+    def lines() -> list[str]:
+        log = tmp_path / LOG_FILE
+        return [line for line in log.read_text().splitlines() if "no answer from" in line] if log.exists() else []
+
+    slow = Log.remote()  # type: ignore[attr-defined]
+    ray.get(slow.slow.remote(0))
+    assert get_said(slow.slow.remote(1.5), slow, "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4) == "answered"
+    said = lines()
+    assert len(said) >= 2 and f"(actor {slow._actor_id.hex()[:12]}) to slow()" in said[0], said
+    assert "the GCS has had it alive for" in said[0]
+    pending = Log.options(resources={"no-such-resource": 1}).remote()  # type: ignore[attr-defined]
+    threading.Timer(1.5, lambda: ray.kill(pending)).start()  # else the call would wait, saying so, forever
+    with pytest.raises(ray.exceptions.RayActorError):
+        get_said(pending.slow.remote(0), pending, "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4)
+    assert any("PENDING_CREATION" in line for line in lines()[len(said) :]), lines()
+    ray.kill(slow)

@@ -38,9 +38,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain.checkpoint_files import live_checkpoints, newest_checkpoint
+from raytrain.console import append_line, is_quiet, say
 from raytrain.live.log import LiveLog, read_train_state
 from raytrain.live.replica import LiveReplicaLost
 from raytrain.live.worker import LiveOutcome, LiveSettings, LiveWorker
+from raytrain.start_watch import REPEAT_S, SAY_AFTER_S, describe_actor_wait
 from raytrain.worker_loop import WorkerJob
 
 HEARTBEAT_TIMEOUT_MS = 1000  # the lighthouse drops a replica silent this long: the survivors' pause after a kill
@@ -50,6 +52,35 @@ REPLACE_PATIENCE_S = 30.0  # below min_workers, wait this long for a replacement
 DRAIN_POLL_S = 1.0  # how often the driver asks the GCS for nodes being drained
 DRAIN_MARGIN_S = 3.0  # a drained group without a successor leaves this long (or 3 steps) before the deadline
 DRAIN_NO_DEADLINE_S = 30.0  # a drain without a deadline: leave within this long when no successor is ready
+
+
+def get_said(
+    ref: Any,
+    actor: Any,
+    call: str,
+    run_dir: str,
+    say_after_s: float = SAY_AFTER_S,
+    repeat_s: float = REPEAT_S,
+) -> Any:
+    """`ray.get(ref)` of a call to `actor`, raytrain's live log actor, waited for with a word: after `say_after_s`,
+    then every `repeat_s`, one line on what the GCS knows of the actor (`describe_actor_wait`), in the run's log
+    and on the console where no log tail prints it. Returns what the call returned; raises what `ray.get` raises."""
+    import ray
+
+    from raytrain.ray_hooks import actor_id, actor_record
+
+    started, next_say = time.monotonic(), say_after_s
+    while not ray.wait([ref], timeout=max(0.0, started + next_say - time.monotonic()))[0]:
+        waited = time.monotonic() - started
+        ident = actor_id(actor)
+        record = actor_record(ident) if ident is not None else None
+        now_ms = time.time() * 1000
+        line = describe_actor_wait("raytrain's live log actor", call, waited, ident, record, now_ms, repeat_s)
+        append_line(run_dir, f"[raytrain] {line}")
+        if not is_quiet():  # else the run's log tail prints it
+            say(line)
+        next_say = waited + repeat_s
+    return ray.get(ref)
 
 
 def wait_one_until(refs: list[Any], deadline: float) -> list[Any]:
@@ -280,7 +311,7 @@ class LiveRun:
             self._stop_all()
             if self._lighthouse is not None:
                 self._lighthouse.shutdown()
-            ray.get(self._log.close.remote())
+            self._ask_log("close")
             ray.kill(self._log, no_restart=True)
         newest = live_checkpoints(self.run_dir)
         self.result.checkpoint = newest[-1][1] if newest else None
@@ -320,7 +351,6 @@ class LiveRun:
 
     def _begin(self, restored: int, ready: list[_Replica]) -> None:
         """The start of a group of `ready` replicas from step `restored`: its line in events.jsonl and the log."""
-        import ray
 
         from raytrain.batch_plan import plan_batch
 
@@ -339,7 +369,11 @@ class LiveRun:
             "pids": [pid for r in sorted(ready, key=lambda r: r.index) for pid in r.pids],
             "entered": time.time(),
         }
-        ray.get(self._log.begin.remote(self._group, restored, event, self.total_steps))
+        self._ask_log("begin", self._group, restored, event, self.total_steps)
+
+    def _ask_log(self, call: str, *args: Any) -> Any:
+        """The log actor's answer to `call(*args)`, waited for with a word (`get_said`)."""
+        return get_said(getattr(self._log, call).remote(*args), self._log, f"{call}()", self.run_dir)
 
     def _note(self, message: str, record: dict[str, Any] | None = None) -> None:
         self._log.note.remote(f"live: {message}")
@@ -354,7 +388,7 @@ class LiveRun:
         from torchft.coordination import LighthouseServer
 
         self._group += 1
-        ray.get(self._log.fence.remote(self._group))  # records of a stopped group count no more
+        self._ask_log("fence", self._group)  # records of a stopped group count no more
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
         self._lighthouse = LighthouseServer(
@@ -450,14 +484,13 @@ class LiveRun:
 
     def _fall_back(self, alive: int, why: str) -> str:
         """Stop the replicas left and say why, once: the caller restarts from the newest live checkpoint."""
-        import ray
 
         newest = newest_checkpoint(self.run_dir, live_too=True)
         restored = newest[0] if newest else 0
         reason = f"live: {why}: falling back to the restart path from " + (
             f"checkpoint step {restored}" if newest else "the start (no checkpoint yet)"
         )
-        at = ray.get(self._log.last_step.remote())
+        at = self._ask_log("last_step")
         self.result.fallbacks.append({"reason": reason, "at_step": at, "restored_step": restored})
         self._failed(reason)
         self._log.note.remote(reason)
@@ -471,7 +504,6 @@ class LiveRun:
         asked to leave at its next step boundary as soon as the successor trains beside it, or when the drain's
         deadline is `drain_margin_s()` away (no room for a successor; it then waits for room). The others never
         pause for a failed step."""
-        import ray
         from ray._private.state import state as ray_state
 
         now = time.monotonic()
@@ -486,7 +518,7 @@ class LiveRun:
                 left_s = min(deadlines) if deadlines else DRAIN_NO_DEADLINE_S
                 replica.leave_by = now + left_s - self._drain_margin_s()
                 if not finished:
-                    step = ray.get(self._log.last_step.remote())
+                    step = self._ask_log("last_step")
                     replica.successor = self._start_replica(replica.index, None, floor=step).name
                 self._note(
                     f"{replica.who()}: node {', '.join(sorted(n[:8] for n in nodes))} is being drained "
@@ -507,9 +539,8 @@ class LiveRun:
     def _drain_margin_s(self) -> float:
         """How long before a drain's deadline a group leaves when no successor is ready: DRAIN_MARGIN_S, or three
         steps when the steps are slower (measured from the log's last committed steps)."""
-        import ray
 
-        pace = ray.get(self._log.step_interval_s.remote())
+        pace = self._ask_log("step_interval_s")
         return max(DRAIN_MARGIN_S, 3 * pace) if pace else DRAIN_MARGIN_S
 
     def _left(self, replica: _Replica, outcome: LiveOutcome) -> None:
@@ -578,12 +609,11 @@ class LiveRun:
     def _lost(self, replica: _Replica, replace: bool, why: str) -> None:
         """A replica is gone (`why`): say so, count it against `max_failures`, and start a replacement (healing
         from a peer) when `replace` and another replica is still training."""
-        import ray
 
         del self.replicas[replica.name]
         self._stop(replica)  # the group's other ranks cannot go on without it
         replace = replace and replica.successor not in self.replicas  # a drained group's successor is started
-        step = ray.get(self._log.last_step.remote())
+        step = self._ask_log("last_step")
         self.result.lost.append(
             {"replica": replica.name, "pid": replica.pid, "step": step, "time": time.time(), "why": why}
         )
