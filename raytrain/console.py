@@ -32,10 +32,10 @@ def output() -> TextIO:
     return _state["out"] or sys.stdout
 
 
-def leave_interrupt_line_to_caller() -> None:
-    """Called by the `raytrain` CLI, which says where a Ctrl-C left the run and the command that resumes it:
-    `fit()` then does not say it too (one line, not two)."""
-    _state["caller_says_interrupt"] = True
+def leave_interrupt_line_to_caller(leave: bool) -> None:
+    """Set by the `raytrain` CLI while it runs a command (and unset after): it says where a Ctrl-C left the run
+    and the command that resumes it, so `fit()` does not say it too (one line, not two)."""
+    _state["caller_says_interrupt"] = leave
 
 
 def interrupt_line_left_to_caller() -> bool:

@@ -396,10 +396,11 @@ def loop_memory(
                (+ 4U when c < 4: FSDP2 casts the unit's gradient to fp32, its reduce dtype, beside the
                reduce-scatter's input buffer)
                + while accumulating (k > 1): gradient shards 4Ψ/W (sharded) or the whole gradient 4Ψ (unsharded)
-        zero3  shards (4 + o)Ψ/W + (3c + 4)U around one unit's backward (its gathered parameters, the prefetched
-               unit's, its unsharded gradient and reduce-scatter buffer) + cR (FSDP2 keeps the root gathered
-               from its forward to the end of the backward); in bf16 the 10U measured are the unit's gathered
-               parameters, its gradient cast to fp32 and the reduce-scatter's input
+        zero3  shards (4 + o)Ψ/W + (3c + 4)U around one unit's backward + cR (FSDP2 keeps the root gathered
+               from its forward to the end of the backward); (3c + 4)U is, in fp32, the unit's gathered parameters,
+               the prefetched unit's, its unsharded gradient and the reduce-scatter buffer; measured in bf16 the
+               peak holds instead the unit's parameters, its gradient cast to fp32 and the reduce-scatter input,
+               (c + 8)U, equal to (3c + 4)U at c = 2 only
                + gradient shards 4Ψ/W, or the whole gradient 4Ψ while accumulating unsharded (k > 1)
         both, accumulating sharded (k > 1): + 4U/W, the unit's new gradient shard (FSDP2's reduce-scatter
                output) beside the shard it is then added to

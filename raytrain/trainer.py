@@ -113,16 +113,16 @@ def check_resumable(storage: RunStorage) -> None:
 
 
 def describe_interrupt(storage: RunStorage) -> str:
-    """Where a Ctrl-C left the run: its latest committed checkpoint (the one a resume restores) and what `fit()`
-    with the same run_name does next, in one line."""
-    from raytrain.checkpoint_files import latest_committed
+    """Where a Ctrl-C left the run: the checkpoint `fit()` with the same run_name resumes from (the newest of either
+    recovery mode, `raytrain.checkpoint_files.newest_checkpoint`) and what that `fit()` does, in one line."""
+    from raytrain.checkpoint_files import newest_checkpoint
 
     try:
-        found = latest_committed(storage.path, storage.fs)
+        found = newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
     except OSError as err:
         return f"the latest checkpoint in {storage.uri} could not be read ({err})"
     if found is None:
-        return f"no checkpoint was committed in {storage.uri} yet; fit() again (the same run_name) starts from step 0"
+        return f"no checkpoint was written in {storage.uri} yet; fit() again (the same run_name) starts from step 0"
     return f"the latest checkpoint is step {found[0]}, {found[1]}; fit() again (the same run_name) resumes from it"
 
 
@@ -316,12 +316,13 @@ def check_capacity(spec: TrainSpec) -> str | None:
     if started_here():
         # a resource no node has enough of for one worker (a GPU on a CPU machine): more CPUs would not help
         missing = [r for r, need in bundle.items() if r != "CPU" and not any(n.get(r, 0.0) >= need for n in nodes)]
-        if "GPU" in missing:
-            fix = "no node has a GPU for a worker: set use_gpu=False (`use_gpu = false` in a job file) to train on CPUs"
+        amounts = ", ".join(f"{r} {bundle[r]:g}" for r in missing)
+        if missing == ["GPU"] and cluster.use_gpu and "GPU" not in cluster.resources_per_worker:
+            fix = f"no node has {amounts} for one worker: set use_gpu=False (`use_gpu = false` in a job file)"
         elif missing:
             fix = (
-                f"no node has {', '.join(missing)} enough for a worker: declare it when starting Ray "
-                "(ray.init(resources=...)) or take it out of resources_per_worker"
+                f"no node has {amounts} for one worker: start Ray with them (ray.init(num_gpus=..., "
+                "resources=...)) or ask for less in resources_per_worker (and use_gpu)"
             )
         else:
             fix = (
@@ -853,6 +854,10 @@ class ElasticTrainer:
         tail = RunLogTail(run_dir).start() if is_quiet() else None
         try:
             result = self.live_run.fit()
+        except KeyboardInterrupt:  # Ctrl-C: LiveRun.fit has stopped its replicas and its log on the way out
+            if not interrupt_line_left_to_caller():  # the CLI says it, with the command that resumes
+                say(f"interrupted: {describe_interrupt(storage)}")
+            raise
         finally:
             if tail is not None:
                 tail.stop()

@@ -61,9 +61,10 @@ def test_memory_quick() -> None:
     """Real allocations (LiveBytes) against the planner at W = 2, both accumulation modes; meta init's peak."""
     headline = run_benchmark("memory.py")
     assert headline["worst_planner_error"] <= 0.10, headline
-    # Out of sample (torch's nn.TransformerEncoder): measured 0.076 in fp32 and 0.103 in bf16 (zero2, k = 4)
+    # Out of sample (torch's nn.TransformerEncoder): measured 0.062-0.076 in fp32 and 0.079 in bf16 (zero3, k = 4;
+    # zero2 in bf16 was 0.098-0.129 before the planner counted the fp32 cast of a unit's gradient)
     assert headline["worst_planner_error_out_of_sample"] <= 0.10, headline
-    assert headline["worst_planner_error_bf16"] <= 0.15, headline
+    assert headline["worst_planner_error_bf16"] <= 0.10, headline
     assert headline["planner_counts"] == "model state; activations excluded"
     assert headline["loss_matches_w1"] is True and headline["auto_fits"] is True
     # Built on meta and sharded: about half the parameters per rank at W = 2, not the whole model first.

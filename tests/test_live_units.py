@@ -241,21 +241,30 @@ def test_live_checkpoints_are_the_restart_paths_format_whole_or_absent_and_the_n
 
 
 def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path: Path) -> None:
+    import argparse
     import json
 
     import pyarrow.fs as pafs
 
     from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, STATE_FILE, newest_checkpoint
+    from raytrain.cli.main import _resume_hint
     from raytrain.storage import RunStorage
-    from raytrain.trainer import cross_mode_resume
+    from raytrain.trainer import cross_mode_resume, describe_interrupt
 
     storage = RunStorage(pafs.LocalFileSystem(), str(tmp_path), str(tmp_path))
     for mode in ("restart", "live"):
         assert cross_mode_resume(storage, str(tmp_path), mode) is None  # a new run: nothing to resume
+    assert describe_interrupt(storage).endswith("yet; fit() again (the same run_name) starts from step 0")
     model, optimizer = _tiny()
     _write_live(LiveLog(str(tmp_path), audit=False, log_every=100, keep=2, config={}), 5, model, optimizer)
     live = str(tmp_path / "live-checkpoint-00000005")
     assert cross_mode_resume(storage, str(tmp_path), "restart") == live  # the workers load it
+    # Ctrl-C names the checkpoint a resume restores: the live one (Ray Train's record has none)
+    assert describe_interrupt(storage) == (
+        f"the latest checkpoint is step 5, {live}; fit() again (the same run_name) resumes from it"
+    )
+    hint = _resume_hint(argparse.Namespace(command="fit", run_dir=None, storage_at=storage))
+    assert hint.startswith(f"the last checkpoint is {tmp_path}/live-checkpoint-00000005 (step 5); resume with:"), hint
     assert cross_mode_resume(storage, str(tmp_path), "live") is None  # its own: the driver finds it
     # the restart path committed a later one (Ray Train's record names it): restart mode takes its own...
     name = "checkpoint_2026-12-01_10-00-00.000000"

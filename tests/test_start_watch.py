@@ -128,14 +128,20 @@ def test_live_modes_driver_says_what_its_log_actor_has_not_answered(ray_local: N
         return [line for line in log.read_text().splitlines() if "no answer from" in line] if log.exists() else []
 
     slow = Log.remote()  # type: ignore[attr-defined]
-    ray.get(slow.slow.remote(0))
-    assert get_said(slow.slow.remote(1.5), slow, "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4) == "answered"
-    said = lines()
-    assert len(said) >= 2 and f"(actor {slow._actor_id.hex()[:12]}) to slow()" in said[0], said
-    assert "the GCS has had it alive for" in said[0]
     pending = Log.options(resources={"no-such-resource": 1}).remote()  # type: ignore[attr-defined]
-    threading.Timer(1.5, lambda: ray.kill(pending)).start()  # else the call would wait, saying so, forever
-    with pytest.raises(ray.exceptions.RayActorError):
-        get_said(pending.slow.remote(0), pending, "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4)
-    assert any("PENDING_CREATION" in line for line in lines()[len(said) :]), lines()
-    ray.kill(slow)
+    kill = threading.Timer(1.5, lambda: ray.kill(pending))  # else the call would wait, saying so, forever
+    try:
+        ray.get(slow.slow.remote(0))
+        ref = slow.slow.remote(1.5)
+        assert get_said(ref, slow, "the log", "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4) == "answered"
+        said = lines()
+        assert len(said) >= 2 and f"the log (actor {slow._actor_id.hex()[:12]}) to slow()" in said[0], said
+        assert "the GCS has had it alive for" in said[0]
+        kill.start()
+        with pytest.raises(ray.exceptions.RayActorError):
+            get_said(pending.slow.remote(0), pending, "the log", "slow()", str(tmp_path), say_after_s=0.2, repeat_s=0.4)
+        assert any("PENDING_CREATION" in line for line in lines()[len(said) :]), lines()
+    finally:
+        kill.cancel()
+        ray.kill(slow)
+        ray.kill(pending)

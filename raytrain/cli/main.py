@@ -640,27 +640,33 @@ def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
 
 
 def _resume_hint(args: argparse.Namespace) -> str:
-    """Where the last committed checkpoint is (the one a resume restores; a newer one may have been written but
-    never committed) and the command that resumes from it (one line)."""
+    """Where the checkpoint a resume restores is (the newest of either recovery mode: Ray Train's last committed
+    one or a whole live one; a newer one may have been written but never committed) and the command that resumes
+    from it, or, before the first checkpoint, the command that starts the run again (one line)."""
     import shlex
 
-    from raytrain.checkpoint_files import latest_committed
+    from raytrain.checkpoint_files import newest_checkpoint
 
     run_dir = getattr(args, "run_dir", None)
     storage = getattr(args, "storage_at", None)  # `raytrain fit`: its checkpoints may be on object storage
     where = storage.uri if storage is not None else run_dir
     try:
         found = (
-            latest_committed(storage.path, storage.fs) if storage else latest_committed(run_dir) if run_dir else None
+            newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
+            if storage
+            else newest_checkpoint(run_dir, live_too=True)
+            if run_dir
+            else None
         )
     except OSError as err:  # object storage unreachable while interrupted: say so, never a traceback
         return f"the latest checkpoint in {where} could not be read ({err})"
     command = ["raytrain", *sys.argv[1:]]
     if args.command == "demo" and "--run-name" not in command:
         command += ["--run-name", args.run_name]
+    if found is None and where is None:  # a command without a run (`plan`)
+        return "no run to resume"
     if found is None:
-        where = f" in {where}" if where else ""
-        return f"no checkpoint was committed yet{where}; the same command starts from step 0: {shlex.join(command)}"
+        return f"no checkpoint was written in {where} yet; the same command starts from step 0: {shlex.join(command)}"
     step, path = found
     if storage is not None:
         path = f"{storage.uri}/{posixpath.basename(path)}"
@@ -702,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ[VERBOSE_ENV] = "1"  # Ray's own output on the driver (`raytrain.console`)
     if getattr(args, "json", False):
         set_output(sys.stderr)  # stdout carries the JSON object only
-    leave_interrupt_line_to_caller()  # Ctrl-C: one line, below, with the command that resumes
+    leave_interrupt_line_to_caller(True)  # Ctrl-C: one line, below, with the command that resumes
     try:
         return int(args.run(args))
     except KeyboardInterrupt:
@@ -713,6 +719,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"raytrain: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        leave_interrupt_line_to_caller(False)  # a caller of main() in the same process gets fit()'s line again
 
 
 if __name__ == "__main__":

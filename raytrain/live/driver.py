@@ -57,14 +57,16 @@ DRAIN_NO_DEADLINE_S = 30.0  # a drain without a deadline: leave within this long
 def get_said(
     ref: Any,
     actor: Any,
+    words: str,
     call: str,
     run_dir: str,
     say_after_s: float = SAY_AFTER_S,
     repeat_s: float = REPEAT_S,
 ) -> Any:
-    """`ray.get(ref)` of a call to `actor`, raytrain's live log actor, waited for with a word: after `say_after_s`,
-    then every `repeat_s`, one line on what the GCS knows of the actor (`describe_actor_wait`), in the run's log
-    and on the console where no log tail prints it. Returns what the call returned; raises what `ray.get` raises."""
+    """`ray.get(ref)` of a call to `actor` (`words` names it, e.g. "raytrain's live log actor"), waited for with a
+    word: after `say_after_s`, then every `repeat_s`, one line on what the GCS knows of the actor
+    (`describe_actor_wait`), in the run's log and on the console where no log tail prints it. A line that cannot be
+    written is skipped (the wait goes on). Returns what the call returned; raises what `ray.get` raises."""
     import ray
 
     from raytrain.ray_hooks import actor_id, actor_record
@@ -74,11 +76,13 @@ def get_said(
         waited = time.monotonic() - started
         ident = actor_id(actor)
         record = actor_record(ident) if ident is not None else None
-        now_ms = time.time() * 1000
-        line = describe_actor_wait("raytrain's live log actor", call, waited, ident, record, now_ms, repeat_s)
-        append_line(run_dir, f"[raytrain] {line}")
-        if not is_quiet():  # else the run's log tail prints it
-            say(line)
+        line = describe_actor_wait(words, call, waited, ident, record, time.time() * 1000, repeat_s)
+        try:
+            append_line(run_dir, f"[raytrain] {line}")
+            if not is_quiet():  # else the run's log tail prints it
+                say(line)
+        except OSError:  # the run directory gone, a full disk: the run is not this line's to fail
+            pass
         next_say = waited + repeat_s
     return ray.get(ref)
 
@@ -351,7 +355,6 @@ class LiveRun:
 
     def _begin(self, restored: int, ready: list[_Replica]) -> None:
         """The start of a group of `ready` replicas from step `restored`: its line in events.jsonl and the log."""
-
         from raytrain.batch_plan import plan_batch
 
         spec = self.job.spec
@@ -373,7 +376,8 @@ class LiveRun:
 
     def _ask_log(self, call: str, *args: Any) -> Any:
         """The log actor's answer to `call(*args)`, waited for with a word (`get_said`)."""
-        return get_said(getattr(self._log, call).remote(*args), self._log, f"{call}()", self.run_dir)
+        ref = getattr(self._log, call).remote(*args)
+        return get_said(ref, self._log, "raytrain's live log actor", f"{call}()", self.run_dir)
 
     def _note(self, message: str, record: dict[str, Any] | None = None) -> None:
         self._log.note.remote(f"live: {message}")
@@ -484,7 +488,6 @@ class LiveRun:
 
     def _fall_back(self, alive: int, why: str) -> str:
         """Stop the replicas left and say why, once: the caller restarts from the newest live checkpoint."""
-
         newest = newest_checkpoint(self.run_dir, live_too=True)
         restored = newest[0] if newest else 0
         reason = f"live: {why}: falling back to the restart path from " + (
@@ -539,7 +542,6 @@ class LiveRun:
     def _drain_margin_s(self) -> float:
         """How long before a drain's deadline a group leaves when no successor is ready: DRAIN_MARGIN_S, or three
         steps when the steps are slower (measured from the log's last committed steps)."""
-
         pace = self._ask_log("step_interval_s")
         return max(DRAIN_MARGIN_S, 3 * pace) if pace else DRAIN_MARGIN_S
 
@@ -609,7 +611,6 @@ class LiveRun:
     def _lost(self, replica: _Replica, replace: bool, why: str) -> None:
         """A replica is gone (`why`): say so, count it against `max_failures`, and start a replacement (healing
         from a peer) when `replace` and another replica is still training."""
-
         del self.replicas[replica.name]
         self._stop(replica)  # the group's other ranks cannot go on without it
         replace = replace and replica.successor not in self.replicas  # a drained group's successor is started
