@@ -39,7 +39,8 @@ def leave_interrupt_line_to_caller(leave: bool) -> None:
 
 
 def interrupt_line_left_to_caller() -> bool:
-    """True after `leave_interrupt_line_to_caller()`."""
+    """The flag `leave_interrupt_line_to_caller` last set (False before any call): whether `fit()` leaves the
+    line on a Ctrl-C to its caller."""
     return bool(_state["caller_says_interrupt"])
 
 

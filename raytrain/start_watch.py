@@ -51,6 +51,11 @@ def still_waiting(repeat_s: float) -> str:
     )
 
 
+def _named(actor: str, actor_id: str | None) -> str:
+    """An actor in words, with the start of its id when known."""
+    return actor + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
+
+
 def describe_controller_wait(
     waited_s: float, actor_id: str | None, record: dict[str, Any] | None, now_ms: float, repeat_s: float = REPEAT_S
 ) -> str:
@@ -59,7 +64,7 @@ def describe_controller_wait(
     `actor_id` is the controller's actor id (hex), None while raytrain has no handle on it; `record` the GCS's
     actor record (`raytrain.ray_hooks.actor_record`: `State`, `StartTime` in ms, `DeathCause` as text), None when
     the GCS has none or does not answer; `now_ms` the wall clock in ms; `repeat_s` how often the line is repeated."""
-    controller = "Ray Train's controller" + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
+    controller = _named("Ray Train's controller", actor_id)
     head = f"{controller} has not begun the run {waited_s:.0f} s after fit() started it"
     tail = still_waiting(repeat_s)
     if actor_id is None:
@@ -91,7 +96,7 @@ def describe_actor_wait(
     """One line on a call to an actor of raytrain's (`actor` in words, e.g. "raytrain's live log actor") not
     answered `waited_s` seconds after the driver made it; `actor_id`, `record`, `now_ms` and `repeat_s` as for
     `describe_controller_wait`."""
-    name = actor + (f" (actor {actor_id[:12]})" if actor_id is not None else "")
+    name = _named(actor, actor_id)
     head = f"no answer from {name} to {call} {waited_s:.0f} s after the driver asked"
     tail = still_waiting(repeat_s)
 

@@ -39,6 +39,14 @@ class RunStorage:
 
         return isinstance(self.fs, pafs.LocalFileSystem)
 
+    def newest_checkpoint(self) -> tuple[int, str] | None:
+        """(step, path) of the checkpoint a run here resumes from, of either recovery mode
+        (`raytrain.checkpoint_files.newest_checkpoint`; live checkpoints are local only). None when there is none;
+        `OSError` when the storage cannot be read."""
+        from raytrain.checkpoint_files import newest_checkpoint
+
+        return newest_checkpoint(self.path, live_too=self.is_local, fs=self.fs)
+
 
 def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStorage:
     """The run directory of `checkpoint` on its filesystem: the local file system for a path, else `filesystem`

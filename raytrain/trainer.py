@@ -115,15 +115,20 @@ def check_resumable(storage: RunStorage) -> None:
 def describe_interrupt(storage: RunStorage) -> str:
     """Where a Ctrl-C left the run: the checkpoint `fit()` with the same run_name resumes from (the newest of either
     recovery mode, `raytrain.checkpoint_files.newest_checkpoint`) and what that `fit()` does, in one line."""
-    from raytrain.checkpoint_files import newest_checkpoint
-
     try:
-        found = newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
+        found = storage.newest_checkpoint()
     except OSError as err:
         return f"the latest checkpoint in {storage.uri} could not be read ({err})"
     if found is None:
         return f"no checkpoint was written in {storage.uri} yet; fit() again (the same run_name) starts from step 0"
     return f"the latest checkpoint is step {found[0]}, {found[1]}; fit() again (the same run_name) resumes from it"
+
+
+def _say_interrupted(storage: RunStorage) -> None:
+    """`fit()`'s one line on a Ctrl-C (either recovery mode), unless the CLI says its own, with the command that
+    resumes."""
+    if not interrupt_line_left_to_caller():
+        say(f"interrupted: {describe_interrupt(storage)}")
 
 
 def cross_mode_resume(storage: RunStorage, run_dir: str, recovery: str) -> str | None:
@@ -132,9 +137,9 @@ def cross_mode_resume(storage: RunStorage, run_dir: str, recovery: str) -> str |
     that is the newest live checkpoint when it is newer than Ray Train's latest committed one (returned: the
     workers load it, `WorkerJob.resume_from`); live mode's driver finds the restart path's itself
     (`raytrain.checkpoint_files.newest_checkpoint`). None when the run resumes from its own mode's, or starts."""
-    from raytrain.checkpoint_files import latest_committed, newest_checkpoint
+    from raytrain.checkpoint_files import latest_committed
 
-    newest = newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
+    newest = storage.newest_checkpoint()
     if newest is None:
         return None
     committed = latest_committed(storage.path, storage.fs)
@@ -821,8 +826,7 @@ class ElasticTrainer:
         except KeyboardInterrupt:  # Ctrl-C, at any moment (start-up retries included): stop the run now
             watch.stop()  # before the controller is killed: no line on its death after this one
             trainer.stop()
-            if not interrupt_line_left_to_caller():  # the CLI says it, with the command that resumes
-                say(f"interrupted: {describe_interrupt(storage)}")
+            _say_interrupted(storage)
             raise
         finally:
             watch.stop()
@@ -855,8 +859,7 @@ class ElasticTrainer:
         try:
             result = self.live_run.fit()
         except KeyboardInterrupt:  # Ctrl-C: LiveRun.fit has stopped its replicas and its log on the way out
-            if not interrupt_line_left_to_caller():  # the CLI says it, with the command that resumes
-                say(f"interrupted: {describe_interrupt(storage)}")
+            _say_interrupted(storage)
             raise
         finally:
             if tail is not None:

@@ -366,6 +366,53 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
         lighthouse.shutdown()
 
 
+def test_a_commit_vote_whose_groups_rank_0_is_gone_is_a_lost_replica_never_the_users_error() -> None:
+    """A replica group of two ranks (real torchft Managers, one lighthouse): rank 0 serves the group's manager
+    server; when it is gone after the step's quorum, rank 1's commit vote fails (torchft's client raises a
+    TimeoutError here, a RuntimeError "transport error" when the connection breaks, as CI saw after a node
+    removal) and must reach the driver as `LiveReplicaLost` (a lost group, replaced), not as the user's error,
+    which fails the run."""
+    from concurrent.futures import ThreadPoolExecutor
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    from raytrain.live.replica import LiveReplica, LiveReplicaLost
+    from raytrain.ports import free_port
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
+    store = TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)
+    ranks: list[LiveReplica] = []
+    try:
+        for rank in range(2):
+            model = torch.nn.Linear(2, 1)
+            ranks.append(
+                LiveReplica(
+                    model,
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    lighthouse=lighthouse.address(),
+                    replica_id="g0",
+                    store_addr="127.0.0.1",
+                    store_port=store.port,
+                    rank=rank,
+                    world_size=2,
+                    timeout=timedelta(seconds=2),
+                    quorum_timeout=timedelta(seconds=10),
+                )
+            )
+        with ThreadPoolExecutor(2) as pool:  # the group's quorum waits for both of its ranks
+            quorums = list(pool.map(lambda r: r.start_step(), ranks))
+        assert [q.step for q in quorums] == [0, 0]
+        ranks[0].shutdown()  # its manager server goes with it
+        with pytest.raises(LiveReplicaLost, match="commit vote failed"):
+            ranks[1].replication().commit()
+    finally:
+        for replica in ranks[1:]:
+            replica.shutdown()
+        lighthouse.shutdown()
+
+
 def _survivor(run_dir: str, armed: Any, go: Any) -> None:
     from raytrain import faults
 

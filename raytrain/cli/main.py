@@ -652,11 +652,7 @@ def _resume_hint(args: argparse.Namespace) -> str:
     where = storage.uri if storage is not None else run_dir
     try:
         found = (
-            newest_checkpoint(storage.path, live_too=storage.is_local, fs=storage.fs)
-            if storage
-            else newest_checkpoint(run_dir, live_too=True)
-            if run_dir
-            else None
+            storage.newest_checkpoint() if storage else newest_checkpoint(run_dir, live_too=True) if run_dir else None
         )
     except OSError as err:  # object storage unreachable while interrupted: say so, never a traceback
         return f"the latest checkpoint in {where} could not be read ({err})"

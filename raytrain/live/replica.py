@@ -151,8 +151,14 @@ class TorchftReplication:
         return float(loss)
 
     def commit(self) -> bool:
-        """torchft's vote: True when every rank of this group completed the step's collectives."""
-        return bool(self.manager.should_commit())
+        """torchft's vote: True when every rank of this group completed the step's collectives.
+        `LiveReplicaLost` when the vote cannot be taken: it is a call to the manager server that the group's rank 0
+        serves, gone with that rank's process or node (torchft's client raises a plain `RuntimeError`, "transport
+        error"); no user code runs inside it."""
+        try:
+            return bool(self.manager.should_commit())
+        except Exception as err:
+            raise LiveReplicaLost(f"the step's commit vote failed: {type(err).__name__}: {err}") from err
 
 
 class LiveReplica:
