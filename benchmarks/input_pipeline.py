@@ -18,7 +18,8 @@ Data: a Parquet set the script writes (64 float32 features as Ray's tensor type,
 Measured on rank 0 from metrics.jsonl, in the steady state (after the first `skip` steps, without the first step
 of each epoch):
     data_wait_fraction = sum(data_wait_s) / sum(interval between consecutive steps)    (rank 0's wait)
-    data_wait_fraction_max_rank = the same with each step's longest wait over all ranks (data_wait_max_s)
+    data_wait_fraction_max_rank = the same with the slowest rank's wait (data_wait_max_s: agreed about once a
+                                  second, each the slowest rank's wait in all since the previous agreement)
 where data_wait_s is the loop's real wall time inside `source.next_step` (reading, waiting for a prefetch,
 gathering rows, agreeing the step); samples/s = samples of the steady steps / their wall time (the hand-written
 loop records its own step times the same way);
@@ -290,7 +291,9 @@ def summarise(run_: dict[str, Any], skip: int, data_bytes: int) -> dict[str, flo
         interval = cur["time"] - prev["time"]
         total += interval
         wait += cur.get("data_wait_s", float("nan"))
-        wait_max += cur.get("data_wait_max_s", float("nan"))  # the slowest rank's wait at each step
+        # the slowest rank's wait in all since the previous agreement, on the lines of the steps that agree
+        # (about once a second: raytrain.agreement); the hand-written loop's lines carry none (nan)
+        wait_max += cur.get("data_wait_max_s", 0.0 if "data_wait_s" in cur else float("nan"))
         data_cpu += cur.get("data_cpu_s", float("nan")) - prev.get("data_cpu_s", float("nan"))  # rank 0's threads
         samples += cur["global_batch_size"]
     held = [r["data_held_bytes"] for r in records if "data_held_bytes" in r]

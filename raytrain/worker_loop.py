@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from raytrain import faults
+from raytrain.agreement import AgreementClock
 from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import PendingSave, TrainState, checkpoint_group, finish_save, load_checkpoint, start_save
 from raytrain.checkpoint_files import checkpoint_dirs, checkpoint_paths, read_step, remove_uncommitted, verify
@@ -157,6 +158,7 @@ class Run:
     extras: dict[str, Any] = field(default_factory=dict)  # the user's own state in every checkpoint (`Session.track`)
     user_metrics: dict[str, Any] = field(default_factory=dict)  # added to the current step's line (`Session.report`)
     checkpoint_stall_s: float = 0.0  # the training thread's time in checkpoints since the last metrics line
+    agreement: AgreementClock = field(default_factory=AgreementClock)  # when the ranks next agree (`_agreement`)
 
     @property
     def spec(self) -> TrainSpec:
@@ -521,11 +523,11 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> Step:
+def begin_step(run: Run, data: StepData, lr: float) -> Step:
     """Set up the next optimizer step on `data` (this rank's micro-batches): its LR `lr` (`Run.lr_at`), the seeds of its
     micro-batches (`raytrain.rng.MicroBatchSeeds`: by their place in the step, the same at every W and after a
     restart), the fault points of tests; returns the `Step` to train, whose loss collective also carries the loop's
-    agreement (`_agreement`; `data_wait`: this rank's wait for `data`, seconds)."""
+    agreement (`_agreement`) when one is due (`raytrain.agreement`: about once a second of training)."""
     state, spec = run.state, run.spec
     set_lr(run.optimizer, run.lr_ratios, lr)
     faults.at_step(state.step + 1)
@@ -547,7 +549,9 @@ def begin_step(run: Run, data: StepData, lr: float, data_wait: float = 0.0) -> S
         spec.loop.max_grad_norm,
         run.policy,
         run.scaler,
-        agree=lambda: _agreement(run, data_wait),
+        # While a checkpoint is being written every step agrees, so it is reported as soon as every rank has
+        # written it (a failure then loses at most `every_steps` steps); otherwise about once a second.
+        agree=(lambda: _agreement(run)) if run.agreement.due or run.pending is not None else None,
         seeds=seeds,
     )
 
@@ -650,8 +654,9 @@ def steps(run: Run) -> Iterator[Step]:
         if data is None:  # the epoch is used up; nothing is carried into the next one
             state.epoch, state.sample_in_epoch = state.epoch + 1, 0
             continue
+        run.agreement.waited(data_wait)
         lr = run.lr_at(state.step)  # once per step: a user's schedule hook is called once
-        step = begin_step(run, data, lr, data_wait)
+        step = begin_step(run, data, lr)
         started = time.perf_counter()
         yield step
         try:
@@ -661,8 +666,10 @@ def steps(run: Run) -> Iterator[Step]:
             # written holds the last good state, so every rank completes and commits it before stopping.
             _settle(run)
             raise
-        assert step.agreed is not None, "optimizer_step agrees (end_step refused a step without it)"
-        deadline, metrics["data_wait_max_s"] = _agree_after_step(run, step.agreed)
+        run.agreement.stepped(step.agreed)
+        deadline = None
+        if step.agreed is not None:
+            deadline, metrics["data_wait_max_s"] = _agree_after_step(run, step.agreed)
         metrics["data_wait_s"] = data_wait
         # Checkpoint work on the training thread since the previous line: the copy to host memory (or the whole
         # write, without background saves) of the last checkpoint, its report, and a wait for the one before.
@@ -701,21 +708,22 @@ def steps(run: Run) -> Iterator[Step]:
 DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on
 
 
-def _agreement(run: Run, data_wait: float) -> list[float]:
-    """This rank's side of what every step's end agrees on (maxed over ranks, in the step's loss collective): the
-    deadline (UNIX seconds; 0 when unknown) of a drain announced for a node of this worker group (-1 without
-    one), whether this rank's files of the checkpoint in progress are still unwritten, and its wait for the
-    step's data (seconds)."""
+def _agreement(run: Run) -> list[float]:
+    """This rank's side of an agreement (maxed over ranks, in the step's loss collective; `AgreementClock.values`):
+    the deadline (UNIX seconds; 0 when unknown) of a drain announced for a node of this worker group (-1 without
+    one), whether this rank's files of the checkpoint in progress are still unwritten, its wait for data since the
+    last agreement and the time since then."""
     local = preemption_deadline_ms()
     unwritten = run.pending is not None and not run.pending.written()
-    return [-1.0 if local is None else local / 1000, float(unwritten), data_wait]
+    return run.agreement.values(-1.0 if local is None else local / 1000, unwritten)
 
 
 def _agree_after_step(run: Run, agreed: list[float]) -> tuple[float | None, float]:
-    """Act on the step's agreement (`_agreement`'s values maxed over every rank): a checkpoint whose files every
-    rank has written is reported at once (`_report_pending`). Returns (the drain deadline, None without one; the
-    longest any rank waited for this step's data: rank 0's own wait is not the slowest reader's)."""
-    drain, any_unwritten, wait = agreed
+    """Act on an agreement (`_agreement`'s values maxed over every rank): a checkpoint whose files every rank has
+    written is reported at once (`_report_pending`). Returns (the drain deadline, None without one; the longest
+    any rank waited for data in all over the steps since the last agreement: rank 0's own wait is not the
+    slowest reader's)."""
+    drain, any_unwritten, wait, _ = agreed
     if run.pending is not None and not any_unwritten:
         _report_pending(run)
     return (None if drain < 0 else drain), wait

@@ -190,7 +190,8 @@ def test_own_loop_elastic_2_1_2_trains_the_frameworks_curve_with_every_sample_on
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # retrained steps replace their lines
     assert {m["world_size"] for m in metrics} == {1, 2}
     assert all(m["global_batch_size"] == 32 for m in metrics if m["step"] % 19)  # an epoch's last step has 24
-    assert all(m["data_wait_max_s"] >= m["data_wait_s"] >= 0 for m in metrics)  # the slowest rank's, agreed
+    agreed = [m for m in metrics if "data_wait_max_s" in m]  # the steps where the ranks agreed (about 1 a second)
+    assert agreed and all(m["data_wait_max_s"] >= m["data_wait_s"] >= 0 for m in agreed)  # the slowest rank's
     np.testing.assert_allclose([m["loss"] for m in metrics], framework_losses, rtol=0, atol=1e-4)
     by_epoch = ids_by_epoch(run_dir / "samples.jsonl")
     for epoch in range(8):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -242,3 +243,45 @@ def test_toy_regression_seeds_draw_samples_of_one_problem(features: int) -> None
         residual = data["y"] - np.tanh(data["x"] @ w)
         assert float(np.abs(residual).max()) < 0.6 and 0.05 < float(residual.std()) < 0.15  # noise 0.1 only
     assert not np.array_equal(regression_arrays(256, features, 0)["x"], regression_arrays(256, features, 1)["x"])
+
+
+def test_steps_until_agreement_spaces_agreements_about_a_period_apart() -> None:
+    from raytrain.agreement import AGREE_MOST_STEPS, steps_until_agreement
+
+    assert steps_until_agreement(0.02, 1) == 50  # 20 ms steps: every 50 steps, one second
+    assert steps_until_agreement(0.5, 10) == 20
+    assert steps_until_agreement(0.001, 1) == AGREE_MOST_STEPS  # never further apart than the cap
+    assert steps_until_agreement(2.0, 1) == 1  # steps longer than the period agree at every step
+    for seconds, steps in ((0.0, 5), (float("nan"), 5), (float("inf"), 5), (-1.0, 5), (0.1, 0)):
+        assert steps_until_agreement(seconds, steps) == 1  # nothing known: agree at once
+
+
+@pytest.mark.parametrize("step_s", [0.004, 0.02, 1.5])
+def test_every_rank_agrees_at_the_same_steps_and_the_agreement_carries_the_slowest_ranks_wait(step_s: float) -> None:
+    """Two ranks' clocks, fed the same agreed values (what the step's all-gather gives each), agree at the same
+    steps, the first step first; between agreements a rank's data waits add up and the agreement carries the
+    largest sum; the steps' pace sets the spacing (about a second's worth, capped; every step for slow steps)."""
+    from raytrain.agreement import AGREE_MOST_STEPS, AgreementClock
+
+    clocks = [AgreementClock(), AgreementClock()]
+    agreed_at, window, waits = [], 0, []
+    for step in range(1, 301):
+        for rank, clock in enumerate(clocks):
+            clock.waited(0.001 * (rank + 1))  # rank 1 always waits longer
+        assert clocks[0].due == clocks[1].due
+        window += 1
+        agreed = None
+        if clocks[0].due:
+            values = [clock.values(-1.0, unwritten=rank == 0) for rank, clock in enumerate(clocks)]
+            agreed = [max(column) for column in zip(*values, strict=True)]
+            agreed[3] = step_s * window  # the slowest rank's seconds since the last agreement
+            agreed_at.append(step)
+            waits.append((agreed[2], agreed[1], window))
+            window = 0
+        for clock in clocks:
+            clock.stepped(agreed)
+    spacing = min(AGREE_MOST_STEPS, max(1, int(1.0 / step_s)))
+    assert agreed_at[0] == 1  # a new worker group agrees at its first step (no pace known yet)
+    assert all(b - a == spacing for a, b in itertools.pairwise(agreed_at)), agreed_at[:6]
+    assert len(agreed_at) == 1 + (300 - 1) // spacing
+    assert all(wait == pytest.approx(0.002 * steps) and unwritten == 1.0 for wait, unwritten, steps in waits)
