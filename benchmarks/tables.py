@@ -59,7 +59,7 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     (
         "input_pipeline",
         "data_wait_fraction_max_rank",
-        "the same with each step's slowest rank's wait, W = 2",
+        "the same with the slowest rank's wait (agreed about once a second), W = 2",
         ("<=", 0.05),
     ),
     (
