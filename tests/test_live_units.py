@@ -384,6 +384,7 @@ def test_a_commit_vote_whose_groups_rank_0_is_gone_is_a_lost_replica_never_the_u
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     store = TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)
     ranks: list[LiveReplica] = []
+    stopped = 0  # the ranks shut down in the test itself: the first `stopped` of them
     try:
         for rank in range(2):
             model = torch.nn.Linear(2, 1)
@@ -405,10 +406,11 @@ def test_a_commit_vote_whose_groups_rank_0_is_gone_is_a_lost_replica_never_the_u
             quorums = list(pool.map(lambda r: r.start_step(), ranks))
         assert [q.step for q in quorums] == [0, 0]
         ranks[0].shutdown()  # its manager server goes with it
+        stopped = 1
         with pytest.raises(LiveReplicaLost, match="commit vote failed"):
             ranks[1].replication().commit()
-    finally:
-        for replica in ranks[1:]:
+    finally:  # every rank the test did not shut down itself, whatever failed (torchft's threads outlive a test)
+        for replica in ranks[stopped:]:
             replica.shutdown()
         lighthouse.shutdown()
 
