@@ -1,4 +1,4 @@
-"""python benchmarks/checkpoint_cost.py [--quick] [--reps 3]
+"""python benchmarks/checkpoint_cost.py [--quick] [--reps 3] [--only none,background]
 
 What checkpoints cost a run whose steps are real compute: raytrain's ElasticTrainer at a fixed W = 2 (CPU
 workers, gloo), an MLP 64 -> 2048 -> 2048 -> 2048 -> 1 (8.5 M parameters; with SGD momentum a checkpoint holds
@@ -110,17 +110,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition of 25 steps (a smoke run)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each run (default 3)")
+    parser.add_argument("--only", default=",".join(MODES), help='runs, "none" among them (default: all four)')
     args = parser.parse_args()
+    modes = {mode: MODES[mode] for mode in MODES if mode in args.only.split(",")}
+    if "none" not in modes or set(args.only.split(",")) - set(MODES):
+        parser.error(f"--only takes none and any of background,sync,control; got {args.only!r}")
     reps, steps = (1, 25) if args.quick else (args.reps, STEPS)
     wall = time.perf_counter()
     start_ray()
     print(machine_line(), flush=True)
-    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-ckpt-") as storage:
         for rep in range(reps):
-            order = list(MODES) if (first_rep() + rep) % 2 == 0 else list(MODES)[::-1]
+            order = list(modes) if (first_rep() + rep) % 2 == 0 else list(modes)[::-1]
             for mode in order:
-                every, background = MODES[mode]
+                every, background = modes[mode]
                 found = run(storage, f"{mode}-{rep}", steps, every, background)
                 results[mode].append(summarise(found, SKIP))
                 print(f"  done {mode} rep {rep}: {results[mode][-1]}", flush=True)
@@ -129,6 +133,7 @@ def main() -> None:
     fractions = {
         mode: [(r["wall_s"] - b["wall_s"]) / b["wall_s"] for r, b in zip(results[mode], results["none"], strict=True)]
         for mode in ("background", "sync", "control")
+        if mode in results
     }
     print(
         f"\nCheckpoint cost: MLP 64 -> {HIDDEN} x3 -> 1, W = {WORKERS}, global batch {GLOBAL_BATCH}, steps "
@@ -144,18 +149,25 @@ def main() -> None:
     print(table(["run", "rep", "wall s", "median step s", "overhead", "stall s / checkpoint", "checkpoint MB"], rows))
     print("goal: checkpoint_overhead_fraction <= 0.05 (every 10 steps, steps of >= 0.3 s of compute)")
     print(f"wall time {time.perf_counter() - wall:.1f} s")
-    print_headline(
-        {
-            "checkpoint_overhead_fraction": round(median(fractions["background"]), 4),
-            "checkpoint_overhead_fraction_sync": round(median(fractions["sync"]), 4),
-            # "none" run twice (A/A): the same fraction between two runs of identical settings, the noise floor
-            "checkpoint_control_fraction": round(median(fractions["control"]), 4),
-            "checkpoint_stall_s": round(median([r["stall_per_checkpoint_s"] for r in results["background"]]), 4),
-            "checkpoint_stall_s_sync": round(median([r["stall_per_checkpoint_s"] for r in results["sync"]]), 4),
-            "checkpoint_step_s": round(median([r["median_step_s"] for r in results["none"]]), 4),
-            "checkpoint_bytes": median([r["bytes"] for r in results["background"]]),
-        }
-    )
+    headline: dict[str, Any] = {
+        f"checkpoint_{name}": round(median(fractions[mode]), 4)
+        for name, mode in (
+            ("overhead_fraction", "background"),
+            ("overhead_fraction_sync", "sync"),
+            # "none" run twice (A/A): the fraction between two runs of identical settings, the noise floor
+            ("control_fraction", "control"),
+        )
+        if mode in fractions
+    }
+    headline |= {
+        name: round(median([r["stall_per_checkpoint_s"] for r in results[mode]]), 4)
+        for name, mode in (("checkpoint_stall_s", "background"), ("checkpoint_stall_s_sync", "sync"))
+        if mode in results
+    }
+    headline["checkpoint_step_s"] = round(median([r["median_step_s"] for r in results["none"]]), 4)
+    if "background" in results:
+        headline["checkpoint_bytes"] = median([r["bytes"] for r in results["background"]])
+    print_headline(headline)
 
 
 if __name__ == "__main__":

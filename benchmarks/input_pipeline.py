@@ -1,4 +1,4 @@
-"""python benchmarks/input_pipeline.py [--quick] [--reps 2]
+"""python benchmarks/input_pipeline.py [--quick] [--reps 2] [--only parquet,parquet-x4]
 
 Input pipeline: how long raytrain's loop waits for data, how much of the data set a worker holds, samples/s
 against a hand-written Ray Data loop, and what the data position costs in a checkpoint.
@@ -440,6 +440,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short parquet runs at W=2, 1x and 4x data (a smoke run)")
     parser.add_argument("--reps", type=int, default=2, help="repetitions of each run (default 2)")
+    parser.add_argument(
+        "--only", default=None, help="the runs to keep, by mode (parquet, parquet-x4, materialized, ...)"
+    )
     args = parser.parse_args()
     if args.quick:
         reps, steps_per_epoch, skip, epochs = 1, 20, 3, 1
@@ -448,6 +451,11 @@ def main() -> None:
         reps, steps_per_epoch, skip, epochs = args.reps, 80, 10, 2
         runs = [("parquet", 2), ("parquet", 3), ("materialized", 2), ("streaming", 2), ("hand-written", 2)]
         runs += [("parquet x4", 2), ("materialized x4", 2)]
+    if args.only:
+        known = {mode.replace(" ", "-") for mode, _ in runs}
+        if set(args.only.split(",")) - known:
+            parser.error(f"--only takes some of {','.join(sorted(known))}, got {args.only!r}")
+        runs = [(mode, w) for mode, w in runs if mode.replace(" ", "-") in args.only.split(",")]
     rows = steps_per_epoch * GLOBAL_BATCH
     data_bytes = rows * ROW_BYTES
     wall = time.perf_counter()

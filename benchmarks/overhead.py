@@ -1,4 +1,4 @@
-"""python benchmarks/overhead.py [--quick] [--reps 3] [--no-streaming]
+"""python benchmarks/overhead.py [--quick] [--reps 3] [--no-streaming] [--only raytrain,matched]
 
 Loop overhead: raytrain's ElasticTrainer against hand-written Ray Train `TorchTrainer` DDP loops, same model
 (MLP 64 -> 512 -> 512 -> 1, 0.30 M parameters), data (raytrain.toy regression arrays, 64 features), seed,
@@ -421,6 +421,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one short repetition of each loop (a smoke run)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each loop (default 3)")
     parser.add_argument("--no-streaming", action="store_true", help="skip raytrain's deterministic=False variant")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="loops to run, of raytrain,matched,matched-control,plain,plain-no-sync (default all)",
+    )
     args = parser.parse_args()
     if args.quick:
         reps, steps_per_epoch, every, skip = 1, 12, 8, 4
@@ -429,6 +434,11 @@ def main() -> None:
     variants = ["raytrain", "matched", "matched-control", "plain", "plain-no-sync"]
     if not (args.quick or args.no_streaming):
         variants.append("raytrain-streaming")
+    if args.only:
+        unknown = set(args.only.split(",")) - set(variants)
+        if unknown:
+            parser.error(f"--only takes some of {','.join(variants)}, got {sorted(unknown)}")
+        variants = [v for v in variants if v in args.only.split(",")]
     epochs = 2
     rows = steps_per_epoch * GLOBAL_BATCH
     max_steps = epochs * steps_per_epoch
@@ -509,16 +519,16 @@ def main() -> None:
     def ratio(variant: str, baseline: str, key: str = "rate_all") -> float:
         return _ratio(medians, variant, baseline, key)
 
-    ratio_rows = [
-        ["raytrain (default) / matched loop: raytrain's own overhead", *_ratios(medians, "raytrain", "matched")],
-        ["matched loop again / matched loop: the noise floor", *_ratios(medians, "matched-control", "matched")],
-        ["matched loop / naive loop: the whole design", *_ratios(medians, "matched", "plain")],
-        ["naive + no_sync / naive: one sync per step", *_ratios(medians, "plain-no-sync", "plain")],
-        ["matched / naive + no_sync: in-memory data, DCP", *_ratios(medians, "matched", "plain-no-sync")],
-        ["raytrain (default) / naive loop", *_ratios(medians, "raytrain", "plain")],
+    comparisons = [  # (what, variant, baseline): each where both ran
+        ("raytrain (default) / matched loop: raytrain's own overhead", "raytrain", "matched"),
+        ("matched loop again / matched loop: the noise floor", "matched-control", "matched"),
+        ("matched loop / naive loop: the whole design", "matched", "plain"),
+        ("naive + no_sync / naive: one sync per step", "plain-no-sync", "plain"),
+        ("matched / naive + no_sync: in-memory data, DCP", "matched", "plain-no-sync"),
+        ("raytrain (default) / naive loop", "raytrain", "plain"),
+        ("raytrain (streaming) / naive loop", "raytrain-streaming", "plain"),
     ]
-    if "raytrain-streaming" in medians:
-        ratio_rows.append(["raytrain (streaming) / naive loop", *_ratios(medians, "raytrain-streaming", "plain")])
+    ratio_rows = [[what, *_ratios(medians, v, b)] for what, v, b in comparisons if {v, b} <= medians.keys()]
     print("\nratio = steps/s / steps/s of the medians over repetitions; goal for raytrain / matched: >= 0.97")
     print(table(["comparison", "ratio (all intervals)", "ratio (median step)"], ratio_rows))
     print(
@@ -533,39 +543,41 @@ def main() -> None:
         "step that starts the second epoch."
     )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
-    headline: dict[str, Any] = {
-        "overhead_ratio": round(ratio("raytrain", "matched"), 3),
-        "overhead_ratio_median_step": round(ratio("raytrain", "matched", "rate_median"), 3),
+    headline: dict[str, Any] = {}
+    ratios = {  # key -> (variant, baseline, figure), each where both ran
+        "overhead_ratio": ("raytrain", "matched", "rate_all"),
+        "overhead_ratio_median_step": ("raytrain", "matched", "rate_median"),
         # the same loop twice (A/A): how far two runs of identical code differ on this machine
-        "control_ratio": round(ratio("matched-control", "matched"), 3),
-        "control_ratio_median_step": round(ratio("matched-control", "matched", "rate_median"), 3),
-        "start_control_s": round(medians["matched-control"]["startup_s"] - medians["matched"]["startup_s"], 2),
-        "design_ratio_matched_vs_naive": round(ratio("matched", "plain"), 3),
-        "no_sync_ratio_naive": round(ratio("plain-no-sync", "plain"), 3),
-        "data_path_ratio_matched_vs_naive_no_sync": round(ratio("matched", "plain-no-sync"), 3),
-        "ratio_vs_naive_loop": round(ratio("raytrain", "plain"), 3),
-        "raytrain_steps_per_s": round(medians["raytrain"]["rate_all"], 3),
-        "matched_steps_per_s": round(medians["matched"]["rate_all"], 3),
-        "naive_steps_per_s": round(medians["plain"]["rate_all"], 3),
-        "naive_no_sync_steps_per_s": round(medians["plain-no-sync"]["rate_all"], 3),
-        "raytrain_checkpoint_s": round(medians["raytrain"]["ckpt_s"], 3),
-        "matched_checkpoint_s": round(medians["matched"]["ckpt_s"], 3),
+        "control_ratio": ("matched-control", "matched", "rate_all"),
+        "control_ratio_median_step": ("matched-control", "matched", "rate_median"),
+        "design_ratio_matched_vs_naive": ("matched", "plain", "rate_all"),
+        "no_sync_ratio_naive": ("plain-no-sync", "plain", "rate_all"),
+        "data_path_ratio_matched_vs_naive_no_sync": ("matched", "plain-no-sync", "rate_all"),
+        "ratio_vs_naive_loop": ("raytrain", "plain", "rate_all"),
+        "streaming_ratio_vs_naive_loop": ("raytrain-streaming", "plain", "rate_all"),
+    }
+    headline |= {k: round(ratio(v, b, f), 3) for k, (v, b, f) in ratios.items() if {v, b} <= medians.keys()}
+    differences = {  # key -> (variant, baseline, figure), seconds, each where both ran
+        "start_control_s": ("matched-control", "matched", "startup_s"),
         # fit() called -> first optimizer step finished on rank 0, raytrain less the matched Ray Train loop (same
         # model, data and workers): what raytrain's checks, data index and start add (issue 29: <= 3 s)
-        "start_overhead_s": round(medians["raytrain"]["startup_s"] - medians["matched"]["startup_s"], 2),
-        "raytrain_startup_s": round(medians["raytrain"]["startup_s"], 2),
-        "matched_startup_s": round(medians["matched"]["startup_s"], 2),
+        "start_overhead_s": ("raytrain", "matched", "startup_s"),
         # the same split at rank 0's entry into the training function: fit() -> entry (driver checks, Ray Train's
         # controller and worker group), entry -> first step finished (the worker's own start)
-        "start_overhead_to_entry_s": round(medians["raytrain"]["to_entry_s"] - medians["matched"]["to_entry_s"], 2),
-        "start_overhead_in_worker_s": round(
-            medians["raytrain"]["entry_to_step_s"] - medians["matched"]["entry_to_step_s"], 2
-        ),
-        "checkpoint": "both save in the background (DCP async_save, report when written, commit waited in a thread)",
-        "reps": reps,
+        "start_overhead_to_entry_s": ("raytrain", "matched", "to_entry_s"),
+        "start_overhead_in_worker_s": ("raytrain", "matched", "entry_to_step_s"),
     }
-    if "raytrain-streaming" in medians:
-        headline["streaming_ratio_vs_naive_loop"] = round(ratio("raytrain-streaming", "plain"), 3)
+    headline |= {
+        k: round(medians[v][f] - medians[b][f], 2) for k, (v, b, f) in differences.items() if {v, b} <= medians.keys()
+    }
+    names = {"raytrain": "raytrain", "matched": "matched", "plain": "naive", "plain-no-sync": "naive_no_sync"}
+    headline |= {f"{names[v]}_steps_per_s": round(medians[v]["rate_all"], 3) for v in names if v in medians}
+    headline |= {f"{v}_checkpoint_s": round(medians[v]["ckpt_s"], 3) for v in ("raytrain", "matched") if v in medians}
+    headline |= {f"{v}_startup_s": round(medians[v]["startup_s"], 2) for v in ("raytrain", "matched") if v in medians}
+    headline["checkpoint"] = (
+        "both save in the background (DCP async_save, report when written, commit waited in a thread)"
+    )
+    headline["reps"] = reps
     print_headline(headline)
 
 

@@ -1,4 +1,4 @@
-"""python benchmarks/recovery.py [--storage DIR] [--quick]
+"""python benchmarks/recovery.py [--storage DIR] [--quick | --live-only]
 
 Recovery after membership events on a local cluster of fake nodes (`raytrain demo`), and the cost of
 checkpoints, beside Ray Train's bare worker-group start and restart measured in the same run:
@@ -45,7 +45,7 @@ the next group: failure detection, teardown, placement, worker start, process gr
 for the GCS to mark a lost node dead (`RefreshClusterView`, from the run's "marked dead after" line) is given
 apart, raytrain's start (model build + wrap, checkpoint load, data), and the first step. Prints tables, then one
 JSON line with the headline figures, the settings they were measured with, and whether each goal is met;
-`--live-only` runs the kill and the live runs only.
+`--live-only` runs the kill and the live runs only; `--quick` the kill only (a smoke run).
 
 Settings (also in the headline's "settings"): Ray's environment as raytrain sets it
 (`raytrain.trainer.RAY_ENV_DEFAULTS`); node-death detection `raytrain.ray_hooks.FAST_NODE_DEATH` (Ray's default
@@ -328,7 +328,7 @@ def bare_ray_train(storage: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--storage", default=None, help="where runs go (default: a temporary directory)")
-    parser.add_argument("--quick", action="store_true", help="one checkpoint-cost pair instead of three")
+    parser.add_argument("--quick", action="store_true", help="the kill only (a smoke run)")
     parser.add_argument(
         "--live-only", action="store_true", help="only the restart path's kill and live recovery, side by side"
     )
@@ -337,6 +337,8 @@ def main() -> int:
     print(machine_line(), flush=True)
     if args.live_only:
         return live_only(storage)
+    if args.quick:
+        return quick(storage)
     rows = {name: recovery(name, storage) for name in SCENARIOS}
     live_row = live(storage)
     bare = bare_ray_train(storage)
@@ -538,6 +540,23 @@ def live_table(row: dict[str, Any], kill: dict[str, Any]) -> str:
     ]
     growth = ", ".join("never joined" if g is None else f"{g:.2f} s" for g in row["grown_s"])
     return table(headers, rows) + f"\nlive, a node added -> the first step a new replica group committed in: {growth}"
+
+
+def quick(storage: str) -> int:
+    """`--quick`: one event, a worker SIGKILLed, on raytrain's restart path: its figures (the comparison with bare
+    Ray Train's restart, and its goal, are in the full run)."""
+    kill = recovery("kill", storage)
+    row = [kill["recovery_s"], kill["back_s"], kill["steps_lost"], kill["raytrain_start_s"], kill["first_step_s"]]
+    print(table(["SIGKILL of a worker: recovery s", "back s", "steps lost", "raytrain start s", "first step s"], [row]))
+    headline = {
+        "sigkill_s": round(kill["recovery_s"], 2),
+        "sigkill_back_s": round(kill["back_s"], 2),
+        "sigkill_steps_lost": kill["steps_lost"],
+        "world_sizes": kill["world_sizes"],
+        "settings": settings(),
+    }
+    print_headline(headline)
+    return 0
 
 
 def live_only(storage: str) -> int:

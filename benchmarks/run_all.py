@@ -11,8 +11,10 @@ is summarised as min / median / max over the repetitions. A goal is "met" only w
                                                      "failed"}}}
 
 and `python benchmarks/tables.py` writes README's and benchmarks/README.md's tables from it. `--quick` runs each
-script once with its own `--quick` (a smoke run: figures not meant to be read). GPU benchmarks are run only where
-CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks named, in the order named.
+script once with its own `--quick`, narrowed to raytrain's loop and its baseline where that runs several
+(`QUICK_ONLY`; goodput.py once, as goodput_node): a smoke run of the harness and of every script, its figures not
+meant to be read (`python -m pytest -m benchmark` runs each script's whole `--quick`). GPU benchmarks are run only
+where CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks named, in the order named.
 
 A full run takes about 2.5 hours on a 2-core machine (`benchmarks/README.md` lists each script's time), more than
 one sitting may have. The file is written after every repetition; `--resume FILE` continues it, running only the
@@ -57,6 +59,16 @@ BENCHMARKS: dict[str, list[str]] = {
     "goodput_node": ["goodput.py", "--events", "node"],
 }
 GPU_BENCHMARKS: dict[str, list[str]] = {"gpu_check": ["gpu_check.py"], "gpu": ["gpu.py"]}
+# name -> the arguments `run_all.py --quick` adds to a script's `--quick` where that runs several loops: the smoke
+# run keeps raytrain's own (and the baseline it is compared with), so that it stays under 5 minutes; `python -m
+# pytest -m benchmark` runs each script's whole `--quick`
+QUICK_ONLY: dict[str, list[str]] = {
+    "input_pipeline": ["--only", "parquet"],
+    "checkpoint_cost": ["--only", "none,background"],
+    "overhead": ["--only", "raytrain,matched"],
+    "goodput_node": ["--only", "live"],
+}
+QUICK_LEAVES_OUT = {"goodput"}  # goodput.py runs once in the smoke run, as goodput_node
 
 
 def machine() -> dict[str, Any]:
@@ -183,7 +195,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="each script once with --quick (a smoke run)")
+    parser.add_argument("--quick", action="store_true", help="each script once with --quick, narrowed (a smoke run)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each script (default %(default)s)")
     parser.add_argument("--only", default="", help="comma-separated benchmark names, run in that order (default: all)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default %(default)s)")
@@ -215,6 +227,9 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown benchmark(s) {unknown}; known: {sorted(chosen)}")
         chosen = {name: chosen[name] for name in wanted}
+    if args.quick:  # a benchmark left out of the smoke run still runs where --only names it
+        quick = {name: argv + QUICK_ONLY.get(name, []) for name, argv in chosen.items()}
+        chosen = {name: argv for name, argv in quick.items() if args.only or name not in QUICK_LEAVES_OUT}
     reps = 1 if args.quick else args.reps
     started = time.monotonic()
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

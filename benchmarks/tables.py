@@ -252,6 +252,8 @@ def _number(value: float) -> str:
         return f"{value:,.0f}"
     if abs(value) < 1e-3:
         return f"{value:.1e}"
+    if 0.1 <= abs(value) < 10:  # three decimals: a ratio of 1.003 is not printed as "1"
+        return f"{value:.3f}".rstrip("0").rstrip(".")
     return f"{value:.3g}"
 
 

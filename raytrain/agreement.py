@@ -42,7 +42,7 @@ def steps_until_agreement(
 class AgreementClock:
     """One rank's count of steps to the next agreement and what it adds up for it (the data wait, the time)."""
 
-    due_in: int = 1  # steps until the next agreement, counting the step about to be trained (1: it agrees)
+    spacing: int = 1  # steps from the last agreement to the next (1: every step agrees)
     steps: int = 0  # steps trained since the last agreement
     waited_s: float = 0.0  # this rank's wait for data over those steps
     since: float = field(default_factory=time.perf_counter)  # when the last agreement was (this rank's clock)
@@ -50,7 +50,7 @@ class AgreementClock:
     @property
     def due(self) -> bool:
         """Whether the step about to be trained ends with an agreement."""
-        return self.due_in <= 1
+        return self.steps + 1 >= self.spacing
 
     def values(self, drain_deadline: float, unwritten: bool) -> list[float]:
         """This rank's side of an agreement (each maxed over the ranks): the drain deadline (UNIX seconds, 0 when
@@ -67,7 +67,6 @@ class AgreementClock:
         None."""
         self.steps += 1
         if agreed is None:
-            self.due_in -= 1
             return
-        self.due_in = steps_until_agreement(agreed[3], self.steps)
+        self.spacing = steps_until_agreement(agreed[3], self.steps)
         self.steps, self.waited_s, self.since = 0, 0.0, time.perf_counter()

@@ -163,6 +163,16 @@ def test_goodput_quick(events: str) -> None:
         assert headline["goodput_node_retrained_bare"] > 0 and headline["goodput_node_retrained_restart"] > 0
 
 
+@pytest.mark.ray
+@pytest.mark.benchmark
+def test_recovery_quick() -> None:
+    """A worker SIGKILLed on raytrain's restart path: the new group of the same size steps, and gets past the
+    killed step no sooner than its first step."""
+    headline = run_benchmark("recovery.py")
+    assert headline["sigkill_back_s"] >= headline["sigkill_s"] > 0, headline
+    assert headline["world_sizes"] == [3, 3] and headline["sigkill_steps_lost"] >= 0, headline
+
+
 @pytest.mark.benchmark
 def test_driver_index_quick() -> None:
     headline = run_benchmark("driver_index.py")

@@ -153,8 +153,9 @@ class TorchftReplication:
     def commit(self) -> bool:
         """torchft's vote: True when every rank of this group completed the step's collectives.
         `LiveReplicaLost` when the vote cannot be taken: it is a call to the manager server that the group's rank 0
-        serves, gone with that rank's process or node (torchft's client raises a plain `RuntimeError`, "transport
-        error"); no user code runs inside it."""
+        serves, gone with that rank's process or node. Any exception counts: torchft's client raises a plain
+        `RuntimeError` whatever the cause ("transport error" for a server gone, a timeout for one that does not
+        answer), and no user code runs inside the call."""
         try:
             return bool(self.manager.should_commit())
         except Exception as err:
