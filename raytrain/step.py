@@ -79,8 +79,9 @@ class Step:
     optimizer steps only when it commits.
 
     `agree`, when given, returns a few floats this rank wants maxed over every rank at the step's end (the loop's
-    drain deadline, checkpoint progress, data wait and the steps' pace: `AgreementClock.values`): they ride in the loss's collective, which becomes one
-    all-gather instead of two collectives a step; the maxima are in `agreed` after `optimizer_step`.
+    drain deadline, checkpoint progress, data wait and the steps' pace: `AgreementClock.values`): they ride in the
+    loss's collective, which becomes one all-gather instead of two collectives a step; the maxima are in `agreed`
+    after `optimizer_step`.
     """
 
     def __init__(
