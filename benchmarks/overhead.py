@@ -516,19 +516,8 @@ def main() -> None:
         rows_out.append([labels[variant], "median", *(medians[variant][k] for k in keys)])
     print(table(headers, rows_out))
 
-    def ratio(variant: str, baseline: str, key: str = "rate_all") -> float:
-        return _ratio(medians, variant, baseline, key)
-
-    comparisons = [  # (what, variant, baseline): each where both ran
-        ("raytrain (default) / matched loop: raytrain's own overhead", "raytrain", "matched"),
-        ("matched loop again / matched loop: the noise floor", "matched-control", "matched"),
-        ("matched loop / naive loop: the whole design", "matched", "plain"),
-        ("naive + no_sync / naive: one sync per step", "plain-no-sync", "plain"),
-        ("matched / naive + no_sync: in-memory data, DCP", "matched", "plain-no-sync"),
-        ("raytrain (default) / naive loop", "raytrain", "plain"),
-        ("raytrain (streaming) / naive loop", "raytrain-streaming", "plain"),
-    ]
-    ratio_rows = [[what, *_ratios(medians, v, b)] for what, v, b in comparisons if {v, b} <= medians.keys()]
+    compared = [(what, v, b, pair) for what, v, b, *pair in COMPARISONS if {v, b} <= medians.keys()]  # both ran
+    ratio_rows = [[what, *(_ratio(medians, v, b, figure) for figure in RATE_FIGURES)] for what, v, b, _ in compared]
     print("\nratio = steps/s / steps/s of the medians over repetitions; goal for raytrain / matched: >= 0.97")
     print(table(["comparison", "ratio (all intervals)", "ratio (median step)"], ratio_rows))
     print(
@@ -544,19 +533,8 @@ def main() -> None:
     )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
     headline: dict[str, Any] = {}
-    ratios = {  # key -> (variant, baseline, figure), each where both ran
-        "overhead_ratio": ("raytrain", "matched", "rate_all"),
-        "overhead_ratio_median_step": ("raytrain", "matched", "rate_median"),
-        # the same loop twice (A/A): how far two runs of identical code differ on this machine
-        "control_ratio": ("matched-control", "matched", "rate_all"),
-        "control_ratio_median_step": ("matched-control", "matched", "rate_median"),
-        "design_ratio_matched_vs_naive": ("matched", "plain", "rate_all"),
-        "no_sync_ratio_naive": ("plain-no-sync", "plain", "rate_all"),
-        "data_path_ratio_matched_vs_naive_no_sync": ("matched", "plain-no-sync", "rate_all"),
-        "ratio_vs_naive_loop": ("raytrain", "plain", "rate_all"),
-        "streaming_ratio_vs_naive_loop": ("raytrain-streaming", "plain", "rate_all"),
-    }
-    headline |= {k: round(ratio(v, b, f), 3) for k, (v, b, f) in ratios.items() if {v, b} <= medians.keys()}
+    for _, v, b, pair in compared:  # the headline's ratio keys, in the table's order
+        headline |= {key: round(_ratio(medians, v, b, f), 3) for key, f in zip(pair, RATE_FIGURES, strict=True) if key}
     differences = {  # key -> (variant, baseline, figure), seconds, each where both ran
         "start_control_s": ("matched-control", "matched", "startup_s"),
         # fit() called -> first optimizer step finished on rank 0, raytrain less the matched Ray Train loop (same
@@ -581,14 +559,42 @@ def main() -> None:
     print_headline(headline)
 
 
-def _ratio(medians: dict[str, dict[str, float]], variant: str, baseline: str, key: str) -> float:
-    """`variant`'s median figure `key` (steps/s) over `baseline`'s."""
-    return medians[variant][key] / medians[baseline][key]
+RATE_FIGURES = ("rate_all", "rate_median")  # steps/s over all intervals; per median step
+# (what, variant, baseline, headline key of the all-intervals ratio, of the median-step ratio or None): the printed
+# comparison table and the headline's ratios, each where both loops ran
+COMPARISONS: list[tuple[str, str, str, str, str | None]] = [
+    (
+        "raytrain (default) / matched loop: raytrain's own overhead",
+        "raytrain",
+        "matched",
+        "overhead_ratio",
+        "overhead_ratio_median_step",
+    ),
+    # the same loop twice (A/A): how far two runs of identical code differ on this machine
+    (
+        "matched loop again / matched loop: the noise floor",
+        "matched-control",
+        "matched",
+        "control_ratio",
+        "control_ratio_median_step",
+    ),
+    ("matched loop / naive loop: the whole design", "matched", "plain", "design_ratio_matched_vs_naive", None),
+    ("naive + no_sync / naive: one sync per step", "plain-no-sync", "plain", "no_sync_ratio_naive", None),
+    (
+        "matched / naive + no_sync: in-memory data, DCP",
+        "matched",
+        "plain-no-sync",
+        "data_path_ratio_matched_vs_naive_no_sync",
+        None,
+    ),
+    ("raytrain (default) / naive loop", "raytrain", "plain", "ratio_vs_naive_loop", None),
+    ("raytrain (streaming) / naive loop", "raytrain-streaming", "plain", "streaming_ratio_vs_naive_loop", None),
+]
 
 
-def _ratios(medians: dict[str, dict[str, float]], variant: str, baseline: str) -> list[float]:
-    """`variant`'s steps/s over `baseline`'s: all intervals, median step."""
-    return [_ratio(medians, variant, baseline, k) for k in ("rate_all", "rate_median")]
+def _ratio(medians: dict[str, dict[str, float]], variant: str, baseline: str, figure: str) -> float:
+    """`variant`'s median `figure` (steps/s) over `baseline`'s."""
+    return medians[variant][figure] / medians[baseline][figure]
 
 
 if __name__ == "__main__":

@@ -16,12 +16,12 @@ script once with its own `--quick`, narrowed to raytrain's loop and its baseline
 meant to be read (`python -m pytest -m benchmark` runs each script's whole `--quick`). GPU benchmarks are run only
 where CUDA is present (`gpu_check.py`, then `gpu.py`). `--only` runs the benchmarks named, in the order named.
 
-A full run takes about 2.5 hours on a 2-core machine (`benchmarks/README.md` lists each script's time), more than
-one sitting may have. The file is written after every repetition; `--resume FILE` continues it, running only the
-repetitions it lacks (a repetition that failed is run again: its traceback stays under "failed"), and refuses
-unless the code measured is the same: `code` hashes the content of every tracked
-file under raytrain/, of benchmarks/*.py but tables.py and of pyproject.toml (a commit that changes only docs,
-results or the tables' rendering keeps it).
+A full run takes about 2 hours on a 2-core machine (6809 s on 2026-12-06; `benchmarks/README.md` lists each script's
+time), more than one sitting may have. The file is written after every repetition; `--resume FILE` continues it,
+running only the repetitions it lacks (a repetition that failed is run again: its traceback stays under "failed"),
+and refuses unless the code measured is the same: `code` hashes the content of every tracked file under raytrain/,
+of benchmarks/*.py but tables.py and of pyproject.toml (a commit that changes only docs, results or the tables'
+rendering keeps it).
 `--deadline-s S` starts no repetition that would, at the longest time that benchmark took before (in this file or
 the newest other results file), end more than S seconds after the start: the run stops cleanly, to be resumed.
 Each invocation is one entry of `parts` (its commit, start and seconds).

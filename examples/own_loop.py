@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> Any:
     from raytrain.trainer import connect_ray
 
     high = max(args.workers, args.max_workers or args.workers)
-    connect_ray(high + 1, f"{high} workers")  # raytrain: a local instance of its own unless RAY_ADDRESS is set
+    # raytrain: a local instance of its own unless RAY_ADDRESS is set; quiet=False shows the workers' output here
+    # (your prints and raytrain's lines from rank 0: progress, resizes, resumes), as a plain ray.init() would
+    connect_ray(high + 1, "the workers and Ray Data", quiet=False)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={

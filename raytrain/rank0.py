@@ -150,7 +150,7 @@ class Rank0Log:
             ids = [int(i) for i in sample_ids]
             self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": ids})
         step = metrics["step"]
-        if step % self.log_every == 0 or step == 1:
+        if step % self.log_every == 0 or step == 1 or step == self.total_steps:  # the bar ends at 100 %
             rate = metrics["global_batch_size"] / max(metrics["step_time_s"], 1e-9)
             self.print(
                 f"{progress_bar(step, self.total_steps)}step {step:>5} | epoch {metrics['epoch']} | "
@@ -170,11 +170,13 @@ class Rank0Log:
             self._tracking = False
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Print the end-of-run summary."""
+        """Print the end-of-run summary, with where the run's files are (a `fit()` from Python prints nothing
+        else that says so)."""
         self.print(
             "done: "
             + ", ".join(f"{k} {v}" for k, v in summary.items())
             + f" ({time.monotonic() - self._started:.1f} s in this worker group)"
+            + (f"; files in {self.run_dir}" if self.run_dir else "")
         )
 
 
@@ -197,7 +199,9 @@ def resize_line(
     ``world 3 -> 2: accumulation 2 -> 3, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged),
     lr 3.0e-03 (unchanged)``. `previous`/`current` are `BatchPlan.to_dict()` forms (computed for the data-parallel
     replicas). With a model-parallel `layout` ({"dp", "tp", "pp"}) the line names it:
-    ``dp 2 -> 1, tp 2, pp 1: accumulation 1 -> 2, samples/replica [4,4] -> [8], ...``."""
+    ``dp 2 -> 1, tp 2, pp 1: accumulation 1 -> 2, samples/replica [4,4] -> [8], ...``. A restart whose split is
+    the one before (a kill, a resume at the same size and batch) says so instead of showing arrows:
+    ``world 2 (as before): accumulation 2, samples/rank [64,64], global batch 256 (unchanged), ...``."""
 
     def samples(plan: dict[str, Any]) -> str:
         return "[" + ",".join(str(n) for n in plan["per_rank_samples"]) + "]"
@@ -216,6 +220,11 @@ def resize_line(
     lr_note = (
         "(unchanged)" if previous_lr is None or abs(previous_lr - lr) <= 1e-12 * lr else f"(was {previous_lr:.1e})"
     )
+    if all(previous[key] == current[key] for key in ("world_size", "accumulation_steps", "per_rank_samples")):
+        return (  # a restart at the same size (a kill, a resume): nothing was resized
+            f"{who} {current['world_size']}{fixed} (as before): accumulation {current['accumulation_steps']}, "
+            f"{per} {samples(current)}, global batch {current['global_batch']} {batch_note}, lr {lr:.1e} {lr_note}"
+        )
     return (
         f"{who} {previous['world_size']} -> {current['world_size']}{fixed}: accumulation "
         f"{previous['accumulation_steps']} -> {current['accumulation_steps']}, {per} {samples(previous)} -> "

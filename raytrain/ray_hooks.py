@@ -185,7 +185,8 @@ class RunLog(ControllerCallback):
             append_line(self.run_dir, f"{DETAIL_PREFIX} {error_detail(error)}")
         elif isinstance(current_state, controller_state.ResizingState):
             decision: Any = current_state.scaling_decision  # a ResizeDecision in this state
-            line = f"cluster changed: restarting the worker group at {decision.num_workers} workers"
+            count = decision.num_workers
+            line = f"cluster changed: restarting the worker group at {count} worker{'s' if count != 1 else ''}"
         elif isinstance(current_state, controller_state.ErroredState):
             line = f"training failed: {describe_error(error)}"
         else:

@@ -236,14 +236,23 @@ def local_cpus(spec: TrainSpec) -> int:
     return math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0)) + 1
 
 
-def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -> None:
+def local_cpus_reason(spec: TrainSpec) -> str:
+    """What `local_cpus(spec)` makes room for, as `connect_ray`'s one line says it: "2 workers and Ray Data"."""
+    count = spec.cluster.max_workers
+    return f"{count} worker{'s' if count != 1 else ''} and Ray Data"
+
+
+def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True, quiet: bool = True) -> None:
     """Connect to RAY_ADDRESS's cluster (as under `ray job submit`), or start a local instance with at least
     `local_cpus` logical CPUs (`reason` says why, in the one line that reports it); never join another process's
     cluster found in /tmp/ray. No-op when connected. `dashboard=False` (a dry run: Ray Data only, no training)
     starts a local instance without the dashboard and its state API, ~4 s sooner.
 
     Sets `RAY_ENV_DEFAULTS` first, so Ray Train's controller and workers get them. Quiet unless
-    `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`). A local instance gets
+    `RAYTRAIN_VERBOSE=1`: Ray's worker output stays in Ray's log files (`raytrain.console`), and `ElasticTrainer.fit`
+    prints raytrain's lines from the run's log. `quiet=False` forwards the workers' output to this process as
+    `ray.init()` does, for a `TorchTrainer` script of your own (`raytrain.attach`): its prints and raytrain's rank-0
+    lines, prefixed by Ray with the worker's name; Ray's own loggers stay at WARNING. A local instance gets
     its dashboard on 127.0.0.1 only, at a port of its own that every Ray process of the instance is told
     (`own_state_api`), so several runs on one machine never mistake each other's clusters.
     """
@@ -252,11 +261,12 @@ def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -
     apply_ray_env_defaults()
     if ray.is_initialized():
         return
+    forward: dict[str, Any] = {} if quiet else {"log_to_driver": True}
     address = os.environ.get("RAY_ADDRESS")
     if address:
         check_ray_address()
         try:
-            init_ray(address=address)
+            init_ray(address=address, **forward)
         except (ConnectionError, ray.exceptions.AuthenticationError) as err:
             refused = _authentication_error(err)
             if refused is None:
@@ -266,7 +276,7 @@ def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True) -
         explicit_token_mode()
         cpus = max(os.cpu_count() or 1, local_cpus)
         where = {"dashboard_host": "127.0.0.1", "dashboard_port": own_state_api()} if dashboard else {}
-        init_ray(address="local", num_cpus=cpus, include_dashboard=dashboard, **where)
+        init_ray(address="local", num_cpus=cpus, include_dashboard=dashboard, **where, **forward)
         say(
             f"started a local Ray instance with {cpus} logical CPUs on {os.cpu_count()} cores"
             + (f" ({reason})" if reason else "")
@@ -707,7 +717,7 @@ class ElasticTrainer:
         check_resumable(storage)
         resume_from = cross_mode_resume(storage, run_dir, spec.cluster.recovery)
         self.check_user_functions()
-        connect_ray(local_cpus(spec), f"{spec.cluster.max_workers} workers and Ray Data")
+        connect_ray(local_cpus(spec), local_cpus_reason(spec))
         waiting = check_capacity(spec)
         if waiting:
             say(waiting)

@@ -701,8 +701,19 @@ def steps(run: Run) -> Iterator[Step]:
     if metrics:
         run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
     else:
-        run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, epoch {state.epoch}")
+        end = where_the_run_ends(state.epoch, spec.loop.epoch_limit, spec.loop.max_steps)
+        run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, {end}")
     run.log.close()
+
+
+def where_the_run_ends(epoch: int, epoch_limit: int, max_steps: int | None) -> str:
+    """Where a resumed run with nothing left to train stopped, in the words of the "done" line ("last epoch",
+    epochs counted from 0 as the metrics count them): a checkpoint past the last epoch holds the position of the
+    epoch after it (`epoch` == `epoch_limit`), which is the end of epoch `epoch_limit - 1`; otherwise the run was
+    ended by `max_steps`, in `epoch`."""
+    if epoch >= epoch_limit:
+        return f"the end of its last epoch ({epoch_limit - 1}, counted from 0)"
+    return f"max_steps={max_steps} (in epoch {epoch}, counted from 0)"
 
 
 DRAIN_PATIENCE_S = 60.0  # past the deadline (or since the notice, without one): the drain did not happen, go on

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -198,3 +199,41 @@ def test_own_loop_elastic_2_1_2_trains_the_frameworks_curve_with_every_sample_on
         assert sorted(by_epoch[epoch]) == list(range(600)), f"epoch {epoch}: not every sample once"
     assert by_epoch[1] != by_epoch[0]  # reshuffled
     assert straight_metrics["ema_norm"] == pytest.approx(metrics[-1]["ema_norm"], abs=1e-6)
+
+
+def test_connect_ray_quiet_false_shows_what_the_workers_print(tmp_path: Path) -> None:
+    """A `TorchTrainer` script of the user's own (examples/own_loop.py) calls `connect_ray(..., quiet=False)`: what
+    its workers print (its own lines, raytrain's rank-0 lines) reaches the script's terminal, as with `ray.init()`;
+    with the default, raytrain keeps worker output in Ray's log files and only `ElasticTrainer.fit` prints its log."""
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "import ray\n"
+        "from raytrain.trainer import connect_ray\n"
+        "connect_ray(2, 'a test', dashboard=False, quiet=False)\n"
+        "ray.get(ray.remote(lambda: print('printed-in-a-worker', flush=True)).remote())\n"
+        "sys.stdin.readline()\n"  # until the test has seen the line (Ray forwards worker output within a second)
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAYTRAIN_VERBOSE")}
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert child.stdin is not None and child.stdout is not None
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(child.stdout or ()), daemon=True)  # every line, as it comes
+    reader.start()
+    try:
+        wait_for("the worker's line in the script's output", lambda: any("printed-in-a-worker" in x for x in seen), 90)
+    finally:
+        child.stdin.write("\n")  # the script may end
+        child.stdin.close()
+        child.wait(timeout=120)
+        reader.join(timeout=10)
+    assert child.returncode == 0, seen[-20:]

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from raytrain.batch_plan import plan_batch
 from raytrain.cli.demo import Event, parse_events
+from raytrain.console import LOG_FILE
 from raytrain.data.id_ranges import IdRanges
 from raytrain.data.streaming import micro_split, take_counts
 from raytrain.errors import ConfigError
@@ -55,6 +56,20 @@ def test_resize_line_names_both_sizes_and_the_unchanged_batch_and_lr() -> None:
         "lr 3.0e-03 (unchanged)"
     )
     assert resize_line(None, three, 3e-3, None).startswith("world 3: accumulation 1")
+    # a restart at the same size and batch resized nothing, and says so; a new batch at the same size shows arrows
+    assert resize_line(two, two, 3e-3, 3e-3) == (
+        "world 2 (as before): accumulation 2, samples/rank [48,48], global batch 96 (unchanged), lr 3.0e-03 (unchanged)"
+    )
+    bigger = plan_batch(192, 32, 2).to_dict()
+    assert resize_line(two, bigger, 6e-3, 3e-3).startswith("world 2 -> 2: accumulation 2 -> 3")
+
+
+def test_a_finished_run_resumed_names_its_last_epoch_as_the_done_line_did() -> None:
+    from raytrain.worker_loop import where_the_run_ends
+
+    # 3 epochs: the done line said "last epoch 2"; the checkpoint holds the position of epoch 3, step 0
+    assert where_the_run_ends(3, 3, None) == "the end of its last epoch (2, counted from 0)"
+    assert where_the_run_ends(1, 2**31 - 1, 30) == "max_steps=30 (in epoch 1, counted from 0)"
 
 
 def test_resize_line_of_a_tensor_parallel_run_names_the_layout() -> None:
@@ -77,6 +92,7 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
     other.start(restored_step=0, event=event)
     assert not (tmp_path / "other").exists()
     log = Rank0Log(0, str(tmp_path), audit=True, log_every=100)
+    log.total_steps = 5  # the run's length: its last step is printed although not a multiple of log_every
     log.start(restored_step=0, event=event)
     for step in range(1, 6):
         metrics = {
@@ -90,7 +106,15 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
         }
         log.step(metrics, [step])
     log.start(restored_step=3, event={**event, "step": 3})  # a restart from the step-3 checkpoint
+    log.finish({"steps": 5})
     log.close()
+    said = (tmp_path / LOG_FILE).read_text().splitlines()
+    (restart,) = [line for line in said if line.endswith(", strategy ddp, resumed at step 3")]
+    assert restart.startswith("[raytrain] world 2 (as before): accumulation 1, samples/rank [4,4], global batch 8")
+    bars = [line for line in said if "| epoch 0 |" in line]
+    assert [line.split("step")[1].split("|")[0].strip() for line in bars] == ["1", "5"], bars
+    assert bars[-1].startswith("[raytrain] [####################] 100% step"), bars
+    assert said[-1].startswith("[raytrain] done: steps 5 (") and said[-1].endswith(f"; files in {tmp_path}"), said
     metrics_steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sample_steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert metrics_steps == sample_steps == [1, 2, 3]

@@ -605,9 +605,9 @@ def format_fit_summary(summary: dict[str, Any]) -> str:
 def _build_datasets(job: FitJob, dashboard: bool = True) -> dict[str, Any]:
     """Call the datasets builder after Ray is up (a local instance, sized for the run, with its dashboard unless
     `dashboard` is False, unless RAY_ADDRESS names a cluster)."""
-    from raytrain.trainer import connect_ray, local_cpus
+    from raytrain.trainer import connect_ray, local_cpus, local_cpus_reason
 
-    connect_ray(local_cpus(job.spec), f"{job.spec.cluster.max_workers} workers and Ray Data", dashboard=dashboard)
+    connect_ray(local_cpus(job.spec), local_cpus_reason(job.spec), dashboard=dashboard)
     datasets = job.entries["datasets"]()
     if not isinstance(datasets, dict) or "train" not in datasets:
         raise ConfigError(
@@ -645,15 +645,16 @@ def _resume_hint(args: argparse.Namespace) -> str:
     from it, or, before the first checkpoint, the command that starts the run again (one line)."""
     import shlex
 
-    from raytrain.checkpoint_files import newest_checkpoint
+    import pyarrow.fs as pafs
+
+    from raytrain.storage import RunStorage
 
     run_dir = getattr(args, "run_dir", None)
-    storage = getattr(args, "storage_at", None)  # `raytrain fit`: its checkpoints may be on object storage
-    where = storage.uri if storage is not None else run_dir
+    fit_storage = getattr(args, "storage_at", None)  # `raytrain fit`: its checkpoints may be on object storage
+    storage = fit_storage or (RunStorage(pafs.LocalFileSystem(), run_dir, run_dir) if run_dir else None)  # demo
+    where = storage.uri if storage is not None else None
     try:
-        found = (
-            storage.newest_checkpoint() if storage else newest_checkpoint(run_dir, live_too=True) if run_dir else None
-        )
+        found = storage.newest_checkpoint() if storage is not None else None
     except OSError as err:  # object storage unreachable while interrupted: say so, never a traceback
         return f"the latest checkpoint in {where} could not be read ({err})"
     command = ["raytrain", *sys.argv[1:]]
@@ -664,8 +665,8 @@ def _resume_hint(args: argparse.Namespace) -> str:
     if found is None:
         return f"no checkpoint was written in {where} yet; the same command starts from step 0: {shlex.join(command)}"
     step, path = found
-    if storage is not None:
-        path = f"{storage.uri}/{posixpath.basename(path)}"
+    if fit_storage is not None:
+        path = f"{fit_storage.uri}/{posixpath.basename(path)}"
     return f"the last checkpoint is {path} (step {step}); resume with: {shlex.join(command)}"
 
 
