@@ -16,6 +16,12 @@ shard is copied to host memory, the files are written in a background thread whi
 thread (joined before the next checkpoint). Both loops therefore save in the background; the difference is
 raytrain's own cost: its batch plan, step source, LR setting, RNG seeding and bookkeeping.
 
+Two more measurements locate that cost (not in `--quick`, except the second, shortened): the comparison again at a
+step of real size (the "-large" variants: hidden `LARGE_HIDDEN`, ~145 ms per step here; `overhead_ratio_large_step`
+with its A/A control), and raytrain's per-step work without Ray (`step_costs`: one process, W = 1 gloo, the small
+model, the matched step against raytrain's `Step` with and without each of its pieces, alternated in blocks):
+`step_cost_us` and the share of the gradient norm, the micro-batch seeds and the step source's hand-over.
+
 The design differences are separate rows against the *naive* loop, the usual Ray Train recipe:
 `prepare_model` (DDP), `get_dataset_shard("train")` + `iter_torch_batches` with a per-epoch `local_shuffle_seed`,
 loss / k, `backward()` on every micro-batch (it all-reduces k times per step), and a rank-0-only `torch.save`
@@ -49,8 +55,12 @@ it. Timings depend on what else the machine runs (its load average is printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -76,14 +86,19 @@ GLOBAL_BATCH = WORKERS * MICRO_BATCH * ACCUMULATION
 LR, SEED, SHUFFLE_BUFFER = 0.01, 0, 1024
 
 
-def build_model() -> nn.Module:
-    """MLP 64 -> 512 -> 512 -> 1 (296,449 parameters)."""
+# The same comparison at a step of real size (the "-large" variants): hidden 2048 (4.3 M parameters), a step of
+# ~145 ms here, 60 steps per epoch (120 steps, a checkpoint every 30).
+LARGE_HIDDEN, LARGE_STEPS_PER_EPOCH = 2048, 60
+
+
+def build_model(hidden: int = HIDDEN) -> nn.Module:
+    """MLP 64 -> hidden -> hidden -> 1 (296,449 parameters at the default 512; 4,329,473 at 2048)."""
     return nn.Sequential(
-        nn.Linear(FEATURES, HIDDEN),
+        nn.Linear(FEATURES, hidden),
         nn.Tanh(),
-        nn.Linear(HIDDEN, HIDDEN),
+        nn.Linear(hidden, hidden),
         nn.Tanh(),
-        nn.Linear(HIDDEN, 1),
+        nn.Linear(hidden, 1),
         nn.Flatten(0),
     )
 
@@ -114,7 +129,7 @@ def matched_train_func(config: dict[str, Any]) -> None:
     k, micro, every, max_steps = config["k"], config["micro_batch"], config["every"], config["max_steps"]
     batch = world * k * micro
     torch.manual_seed(config["seed"])
-    model = nn.parallel.DistributedDataParallel(build_model())
+    model = nn.parallel.DistributedDataParallel(build_model(config["hidden"]))
     optimizer = sgd(model.parameters(), lr=config["lr"])
     columns = ray.get(config["data_ref"])  # every worker holds the training set, as raytrain's default does
     x_all, y_all = columns["x"], columns["y"]
@@ -190,13 +205,15 @@ def matched_train_func(config: dict[str, Any]) -> None:
         times.close()
 
 
-def run_matched(storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int) -> dict[str, Any]:
+def run_matched(
+    storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int, hidden: int = HIDDEN
+) -> dict[str, Any]:
     import ray
 
     from raytrain.toy import regression_arrays
 
     arrays = regression_arrays(rows, FEATURES, seed=SEED)
-    data = {"data_ref": ray.put({"x": arrays["x"], "y": arrays["y"]})}
+    data = {"data_ref": ray.put({"x": arrays["x"], "y": arrays["y"]}), "hidden": hidden}
     return _run_hand_written(matched_train_func, storage, name, epochs, max_steps, every, data, datasets=None)
 
 
@@ -327,14 +344,21 @@ def _ray_env() -> dict[str, str]:
 
 
 def run_raytrain(
-    storage: str, name: str, rows: int, epochs: int, max_steps: int, every: int, deterministic: bool
+    storage: str,
+    name: str,
+    rows: int,
+    epochs: int,
+    max_steps: int,
+    every: int,
+    deterministic: bool,
+    hidden: int = HIDDEN,
 ) -> dict[str, Any]:
     from raytrain.config import BatchConfig, CheckpointConfig, ClusterConfig, LoopConfig, LRConfig
     from raytrain.toy import regression_dataset, squared_error
     from raytrain.trainer import ElasticTrainer
 
     trainer = ElasticTrainer(
-        model_fn=build_model,
+        model_fn=functools.partial(build_model, hidden),
         loss_fn=squared_error,
         optimizer_fn=sgd,
         datasets={"train": regression_dataset(rows, FEATURES, seed=SEED)},
@@ -434,6 +458,8 @@ def main() -> None:
     variants = ["raytrain", "matched", "matched-control", "plain", "plain-no-sync"]
     if not (args.quick or args.no_streaming):
         variants.append("raytrain-streaming")
+    if not args.quick:  # the same comparison at a step of real size (LARGE_HIDDEN)
+        variants += ["raytrain-large", "matched-large", "matched-large-control"]
     if args.only:
         unknown = set(args.only.split(",")) - set(variants)
         if unknown:
@@ -442,7 +468,9 @@ def main() -> None:
     epochs = 2
     rows = steps_per_epoch * GLOBAL_BATCH
     max_steps = epochs * steps_per_epoch
+    large = {"rows": LARGE_STEPS_PER_EPOCH * GLOBAL_BATCH, "max_steps": epochs * LARGE_STEPS_PER_EPOCH}
     wall = time.perf_counter()
+    costs = step_costs(blocks=3 if args.quick else 21, steps=10 if args.quick else 50)
     start_ray()
     print(machine_line())
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -455,8 +483,13 @@ def main() -> None:
             rotated = variants[turn:] + variants[:turn]
             for variant in rotated:
                 name = f"{variant}-{rep}"
+                size = (LARGE_HIDDEN, large["rows"], large["max_steps"]) if "-large" in variant else None
                 if variant.startswith("plain"):
                     run = run_plain(storage, name, rows, epochs, max_steps, every, no_sync=variant != "plain")
+                elif size is not None and variant.startswith("matched"):
+                    run = run_matched(storage, name, size[1], epochs, size[2], every, hidden=size[0])
+                elif size is not None:
+                    run = run_raytrain(storage, name, size[1], epochs, size[2], every, True, hidden=size[0])
                 elif variant.startswith("matched"):
                     run = run_matched(storage, name, rows, epochs, max_steps, every)
                 else:
@@ -480,6 +513,9 @@ def main() -> None:
         "matched-control": "the matched loop again (control)",
         "plain": "naive Ray Train DDP loop",
         "plain-no-sync": "naive loop + no_sync (1 sync per step)",
+        "raytrain-large": f"raytrain, hidden {LARGE_HIDDEN}",
+        "matched-large": f"matched loop, hidden {LARGE_HIDDEN}",
+        "matched-large-control": f"matched loop again, hidden {LARGE_HIDDEN}",
     }
     keys = [
         "rate_all",
@@ -531,8 +567,15 @@ def main() -> None:
         "the time beyond the median step per checkpoint over the whole window; 'epoch s' the extra time of the "
         "step that starts the second epoch."
     )
+    print(
+        f"\nraytrain's per-step work without Ray (one process, W = 1 gloo, the model above; {costs.pop('blocks')} "
+        "alternated blocks of steps, medians): the matched step "
+        f"{costs['matched_step_us']:.0f} us; raytrain's step {costs['step_cost_us']:+.0f} us, of which the gradient "
+        f"norm {costs['step_cost_norm_us']:.0f} us, the micro-batch seeds {costs['step_cost_seeds_us']:.0f} us, the "
+        f"step source's hand-over {costs['step_cost_data_us']:.0f} us"
+    )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
-    headline: dict[str, Any] = {}
+    headline: dict[str, Any] = dict(costs)
     for _, v, b, pair in compared:  # the headline's ratio keys, in the table's order
         headline |= {key: round(_ratio(medians, v, b, f), 3) for key, f in zip(pair, RATE_FIGURES, strict=True) if key}
     differences = {  # key -> (variant, baseline, figure), seconds, each where both ran
@@ -552,6 +595,8 @@ def main() -> None:
     headline |= {f"{names[v]}_steps_per_s": round(medians[v]["rate_all"], 3) for v in names if v in medians}
     headline |= {f"{v}_checkpoint_s": round(medians[v]["ckpt_s"], 3) for v in ("raytrain", "matched") if v in medians}
     headline |= {f"{v}_startup_s": round(medians[v]["startup_s"], 2) for v in ("raytrain", "matched") if v in medians}
+    if "matched-large" in medians:
+        headline["large_step_ms"] = round(medians["matched-large"]["step_ms"], 1)
     headline["checkpoint"] = (
         "both save in the background (DCP async_save, report when written, commit waited in a thread)"
     )
@@ -587,6 +632,20 @@ COMPARISONS: list[tuple[str, str, str, str, str | None]] = [
         "data_path_ratio_matched_vs_naive_no_sync",
         None,
     ),
+    (
+        f"raytrain / matched loop, hidden {LARGE_HIDDEN} (a step of real size)",
+        "raytrain-large",
+        "matched-large",
+        "overhead_ratio_large_step",
+        "overhead_ratio_large_step_median_step",
+    ),
+    (
+        f"matched loop again / matched loop, hidden {LARGE_HIDDEN}: the noise floor",
+        "matched-large-control",
+        "matched-large",
+        "control_ratio_large_step",
+        None,
+    ),
     ("raytrain (default) / naive loop", "raytrain", "plain", "ratio_vs_naive_loop", None),
     ("raytrain (streaming) / naive loop", "raytrain-streaming", "plain", "streaming_ratio_vs_naive_loop", None),
 ]
@@ -597,5 +656,135 @@ def _ratio(medians: dict[str, dict[str, float]], variant: str, baseline: str, fi
     return medians[variant][figure] / medians[baseline][figure]
 
 
+# ---------------------------------------------------------------- raytrain's per-step work, without Ray
+
+
+def step_costs(blocks: int, steps: int) -> dict[str, Any]:
+    """What raytrain's step does beyond the matched loop's, in microseconds per step, measured in a fresh process
+    (`--step-costs`: one torch thread, a W = 1 gloo group, no Ray, so nothing else shares the process): the
+    matched step (`matched_step_us`) and raytrain's (`step_cost_us` more), and what leaving out one piece of
+    raytrain's step saves: the global gradient norm (`step_cost_norm_us`: the non-finite check, clipping and the
+    grad_norm metric read every gradient once more), the micro-batch seeds (`step_cost_seeds_us`: dropout masks
+    the same at every W) and the step source's hand-over of the micro-batches (`step_cost_data_us`)."""
+    command = [sys.executable, __file__, "--step-costs", f"{blocks},{steps}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _step_costs_here(blocks: int, steps: int) -> dict[str, Any]:
+    """`step_costs`' measurement, in this process: the variants alternate in blocks of `steps` steps (the order
+    reversed every other block), the first block of each left out; each figure is the median block's time per step,
+    a piece's cost the full step's median less the median without it."""
+    import gc
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import raytrain.step as step_module
+    from raytrain.batch_plan import plan_batch
+    from raytrain.data.materialized import ColumnData, IndexedSteps
+    from raytrain.rng import MicroBatchSeeds
+    from raytrain.toy import regression_arrays, squared_error
+
+    torch.set_num_threads(1)
+    with tempfile.NamedTemporaryFile(prefix="raytrain-bench-pg-") as rendezvous:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1)
+    batch = MICRO_BATCH * ACCUMULATION  # one rank's share of the global batch
+    arrays = regression_arrays(200 * batch, FEATURES, seed=SEED)
+    x_all, y_all, rows = arrays["x"], arrays["y"], len(arrays["y"])
+    columns = ColumnData({"id": arrays["id"], "x": x_all, "y": y_all}, arrays["id"])
+    source = IndexedSteps(
+        columns, seed=SEED, plan=plan_batch(batch, MICRO_BATCH, 1), rank=0, device=torch.device("cpu"), drop_last=True
+    )
+    order = np.random.default_rng([SEED, 0]).permutation(rows)
+    torch.manual_seed(SEED)
+    model = nn.parallel.DistributedDataParallel(build_model())
+    optimizer = sgd(model.parameters(), LR)
+    at = [0]
+
+    def position() -> int:
+        at[0] = (at[0] + batch) % (rows - batch)
+        return at[0]
+
+    def matched() -> None:
+        mine = order[position() :][:batch]
+        optimizer.zero_grad(set_to_none=True)
+        local = 0.0
+        for j in range(ACCUMULATION):
+            picked = mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]
+            x, y = torch.from_numpy(x_all[picked]), torch.from_numpy(y_all[picked])
+            with model.no_sync() if j < ACCUMULATION - 1 else contextlib.nullcontext():
+                losses = (model(x) - y) ** 2
+                (losses.sum() / batch).backward()
+            local += float(losses.detach().sum())
+        optimizer.step()
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        json.dumps({"step": 1, "loss": float(total) / batch, "time": time.time()})
+
+    def raytrain(norm: bool = True, seeds: bool = True, source_data: bool = True) -> None:
+        start = position()
+        if source_data:
+            data = source.next_step(0, start)
+            assert data is not None
+            micro_batches = data.micro_batches
+        else:
+            mine = order[start:][:batch]
+            micro_batches = [
+                {
+                    "x": torch.from_numpy(x_all[mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]]),
+                    "y": torch.from_numpy(y_all[mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]]),
+                }
+                for j in range(ACCUMULATION)
+            ]
+        sizes = [MICRO_BATCH] * ACCUMULATION
+        seeding = MicroBatchSeeds(SEED, at[0], 0, sizes, 0, torch.device("cpu")) if seeds else None
+        real_norm = step_module.global_grad_norm
+        if not norm:  # the one piece without a switch of its own: the step's norm replaced for this step only
+            step_module.global_grad_norm = lambda parameters: torch.zeros(())
+        try:
+            step = step_module.Step(model, optimizer, micro_batches, 1, batch, seeds=seeding)
+            result = step.train(squared_error)
+        finally:
+            step_module.global_grad_norm = real_norm
+        json.dumps({"step": 1, "loss": result.loss_sum / batch, "grad_norm": result.grad_norm, "time": time.time()})
+
+    variants: dict[str, Any] = {
+        "matched": matched,
+        "raytrain": raytrain,
+        "no_norm": functools.partial(raytrain, norm=False),
+        "no_seeds": functools.partial(raytrain, seeds=False),
+        "no_source": functools.partial(raytrain, source_data=False),
+    }
+    gc.collect(1)
+    gc.freeze()  # as both loops do
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    for block in range(blocks + 1):
+        for name in names if block % 2 == 0 else names[::-1]:
+            started = time.perf_counter()
+            for _ in range(steps):
+                variants[name]()
+            if block:
+                per_step[name].append((time.perf_counter() - started) / steps * 1e6)
+    dist.destroy_process_group()
+    us = {name: median(times) for name, times in per_step.items()}
+    return {
+        "matched_step_us": round(us["matched"], 1),
+        "step_cost_us": round(us["raytrain"] - us["matched"], 1),
+        "step_cost_norm_us": round(us["raytrain"] - us["no_norm"], 1),
+        "step_cost_seeds_us": round(us["raytrain"] - us["no_seeds"], 1),
+        "step_cost_data_us": round(us["raytrain"] - us["no_source"], 1),
+        "blocks": blocks,
+    }
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--step-costs"]:
+        blocks_, steps_ = (int(n) for n in sys.argv[2].split(","))
+        print(json.dumps(_step_costs_here(blocks_, steps_)))
+    else:
+        main()

@@ -34,6 +34,20 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ("overhead", "control_ratio", "the matched loop run twice, second ÷ first (A/A): the noise floor", None),
     (
         "overhead",
+        "overhead_ratio_large_step",
+        "the same comparison at a step of real size (hidden 2048: `large_step_ms` per step), all intervals",
+        None,
+    ),
+    ("overhead", "control_ratio_large_step", "its A/A control", None),
+    (
+        "overhead",
+        "step_cost_us",
+        "raytrain's step less the matched step, one process without Ray, µs (of `matched_step_us`)",
+        None,
+    ),
+    ("overhead", "step_cost_norm_us", "of it: the global gradient norm (non-finite check, grad_norm), µs", None),
+    (
+        "overhead",
         "start_overhead_s",
         "fit() -> first step: raytrain less the matched Ray Train loop, s",
         ("<=", 3.0),
