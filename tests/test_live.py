@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from raytrain.data.materialized import epoch_order
-from raytrain.ports import free_port
 from raytrain.toy import regression_arrays
 
 B, MICRO, STEPS, ROWS, SEED, KILL_FROM = 12, 4, 24, 12 * 24, 0, 5
@@ -84,7 +83,7 @@ def _replica(
 
     order, columns = _data()
     model, optimizer = _model()
-    store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     replica = LiveReplica(
         model, optimizer, lighthouse=lighthouse, replica_id=f"r{index}", store_addr="127.0.0.1", store_port=store.port
     )
@@ -170,16 +169,17 @@ def test_a_killed_replica_costs_one_redone_step_and_the_batch_stays_exact(tmp_pa
     assert any(line["participants"] == 3 for line in rejoined)
 
 
-def _peer_of_a_group(rank: int, port: int, results: Any) -> None:
+def _peer_of_a_group(rank: int, rendezvous: str, results: Any) -> None:
     """Rank 1 of a two-rank gloo group dies as a removed node's process does (its sockets close, no goodbye); rank 0
     then runs the all-gather FSDP runs before each forward (`all_gather_single`) and reports what it raised."""
     import torch.distributed as dist
 
     from raytrain.live.replica import peer_failure
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2, timeout=timedelta(seconds=30)
+    )
     dist.barrier()
     if rank == 1:
         os._exit(9)
@@ -194,7 +194,7 @@ def _peer_of_a_group(rank: int, port: int, results: Any) -> None:
     os._exit(0)  # a group with a dead rank cannot be destroyed cleanly
 
 
-def test_a_collective_broken_by_a_dead_peer_is_a_lost_replica_and_the_users_error_is_not() -> None:
+def test_a_collective_broken_by_a_dead_peer_is_a_lost_replica_and_the_users_error_is_not(tmp_path: Path) -> None:
     """When a node goes, a replica group's ranks die one by one: the first death breaks the others' FSDP / tp
     collectives, which raise before their own process ends (a live_hsdp benchmark run failed so: the driver took
     a gloo "Connection reset by peer" for the user's error and ended the run). `peer_failure` tells that error,
@@ -203,8 +203,8 @@ def test_a_collective_broken_by_a_dead_peer_is_a_lost_replica_and_the_users_erro
 
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=_peer_of_a_group, args=(rank, port, results)) for rank in range(2)]
+    rendezvous = str(tmp_path / "rendezvous")
+    ranks = [context.Process(target=_peer_of_a_group, args=(rank, rendezvous, results)) for rank in range(2)]
     for process in ranks:
         process.start()
     raised, why = results.get(timeout=120)

@@ -315,7 +315,6 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
     from torchft.coordination import LighthouseServer
 
     from raytrain.live.replica import LiveReplica
-    from raytrain.ports import free_port
     from raytrain.step import train_step
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
@@ -325,7 +324,7 @@ def test_a_non_finite_gradient_is_never_applied_and_frozen_parameters_stay_untou
         model[0].weight.requires_grad_(False)
         frozen = model[0].weight.detach().clone()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
-        store = TCPStore("127.0.0.1", free_port(), 1, is_master=True, wait_for_workers=False)
+        store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
         replica = LiveReplica(
             model,
             optimizer,
@@ -379,10 +378,9 @@ def test_a_commit_vote_whose_groups_rank_0_is_gone_is_a_lost_replica_never_the_u
     from torchft.coordination import LighthouseServer
 
     from raytrain.live.replica import LiveReplica, LiveReplicaLost
-    from raytrain.ports import free_port
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
-    store = TCPStore("127.0.0.1", free_port(), 2, is_master=True, wait_for_workers=False)
+    store = TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
     ranks: list[LiveReplica] = []
     stopped = 0  # the ranks shut down in the test itself: the first `stopped` of them
     try:

@@ -82,7 +82,6 @@ class LiveWorker:
 
         from raytrain.data.materialized import IndexedData
         from raytrain.data.parquet import ParquetIndex
-        from raytrain.ports import free_port
 
         assert isinstance(job.data, IndexedData | ParquetIndex), "live mode reads deterministic mode's step sources"
         self.job, self.settings, self.log, self._restore = job, settings, log, restore
@@ -104,9 +103,8 @@ class LiveWorker:
             import ray
 
             self._host = ray.util.get_node_ip_address()
-            self._store = TCPStore(
-                self._host, free_port(""), settings.group_size, is_master=True, wait_for_workers=False
-            )
+            # port 0: the store binds a port the system picks, so no other process can take it first
+            self._store = TCPStore(self._host, 0, settings.group_size, is_master=True, wait_for_workers=False)
         # the group's layout, dp_shard data ranks x tp (TP innermost: ranks 2k and 2k + 1 split data rank k at tp 2)
         self.dims = ParallelDims.of(settings.group_size, settings.tp, 1)
         self._coords = self.dims.coords(settings.shard_rank)

@@ -2,7 +2,7 @@
 
     results = run_world(fn, world, *args)      # fn(rank, world, *args) in every rank; returns [result of rank r]
 
-Each rank joins the default process group (gloo on 127.0.0.1 with one intra-op thread, as a Ray Train CPU worker
+Each rank joins the default process group (gloo with one intra-op thread, as a Ray Train CPU worker
 has; or nccl with CUDA device `rank`), runs `fn`, saves its return value (anything `torch.save` takes) and leaves
 the group. An exception in a rank is raised in the caller with that rank's traceback. Processes start from a
 forkserver (torch imported once, then every rank forked from it: the isolation of spawn without its seconds of
@@ -26,7 +26,7 @@ def _rank_entry(
     rank: int,
     fn: Callable[..., Any],
     world: int,
-    port: int,
+    rendezvous: str,
     backend: str,
     timeout_s: float,
     out_dir: str,
@@ -35,7 +35,6 @@ def _rank_entry(
     import torch
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     kwargs: dict[str, Any] = {}
     if backend == "nccl":
         device = torch.device("cuda", rank)
@@ -43,7 +42,14 @@ def _rank_entry(
         kwargs["device_id"] = device
     else:
         torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
     try:
         result = fn(rank, world, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -60,22 +66,15 @@ def run_world(
     timeout_s: float = 120.0,
 ) -> list[Any]:
     """Run `fn(rank, world, *args)` on `world` fresh processes in one process group; return each rank's result in
-    rank order. `fn` and `args` must be picklable (module-level). A free port taken by another process before
-    rank 0 binds it is retried twice."""
+    rank order. `fn` and `args` must be picklable (module-level). The ranks meet through a file in a fresh
+    temporary directory, not a TCP port: no other process can take it between choosing and binding."""
     import torch
     import torch.multiprocessing as mp
-
-    from raytrain.ports import free_port
 
     if START_METHOD == "forkserver" and preload:
         multiprocessing.set_forkserver_preload(list(preload))  # ignored once the forkserver runs
     with tempfile.TemporaryDirectory(prefix="raytrain-world-") as out_dir:
-        for attempt in range(3):
-            try:
-                entry_args = (fn, world, free_port(), backend, timeout_s, out_dir, args)
-                mp.start_processes(_rank_entry, args=entry_args, nprocs=world, start_method=START_METHOD)
-                break
-            except mp.ProcessRaisedException as exc:
-                if attempt == 2 or "address already in use" not in str(exc).lower():
-                    raise
+        rendezvous = str(Path(out_dir) / "rendezvous")
+        entry_args = (fn, world, rendezvous, backend, timeout_s, out_dir, args)
+        mp.start_processes(_rank_entry, args=entry_args, nprocs=world, start_method=START_METHOD)
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world)]
