@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
+from raytrain.console import counted
+
 
 def workers_that_fit(nodes: Iterable[Mapping[str, float]], bundle: Mapping[str, float]) -> int:
     """Pure: how many `bundle`s the `nodes` (each a resource -> amount mapping) hold, one bundle never spanning
@@ -28,7 +30,7 @@ def workers_that_fit(nodes: Iterable[Mapping[str, float]], bundle: Mapping[str, 
 def describe_request(workers: int, bundle: Mapping[str, float]) -> str:
     """`workers` workers of {resource: amount} as one phrase, e.g. "3 workers of CPU 1"."""
     parts = ", ".join(f"{name} {amount:g}" for name, amount in sorted(bundle.items()) if amount > 0)
-    return f"{workers} worker{'s' if workers != 1 else ''} of {parts or 'no resources'}"
+    return f"{counted(workers, 'worker')} of {parts or 'no resources'}"
 
 
 def describe_nodes(nodes: Iterable[Mapping[str, float]], names: Iterable[str]) -> str:
@@ -36,4 +38,4 @@ def describe_nodes(nodes: Iterable[Mapping[str, float]], names: Iterable[str]) -
     nodes = list(nodes)
     wanted = sorted(set(names))
     per_node = "; ".join(", ".join(f"{n} {node.get(n, 0):g}" for n in wanted) for node in nodes)
-    return f"{len(nodes)} node{'s' if len(nodes) != 1 else ''}: {per_node}"
+    return f"{counted(len(nodes), 'node')}: {per_node}"

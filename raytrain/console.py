@@ -22,6 +22,11 @@ VERBOSE_ENV = "RAYTRAIN_VERBOSE"
 _state: dict[str, Any] = {"quiet": False, "out": None, "caller_says_interrupt": False}
 
 
+def counted(count: int, noun: str) -> str:
+    """`count` and `noun` as a line says them: "1 worker", "2 workers", "0 nodes" (regular plurals only)."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def set_output(stream: TextIO | None) -> None:
     """Send raytrain's driver lines to `stream` (None: stdout); `--json` sends them to stderr."""
     _state["out"] = stream

@@ -27,7 +27,7 @@ from ray.train.v2._internal.execution.controller import state as controller_stat
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 from ray.train.v2.api.exceptions import ControllerError
 
-from raytrain.console import DETAIL_PREFIX, append_line, output
+from raytrain.console import DETAIL_PREFIX, append_line, counted, output
 from raytrain.errors import UserCodeError
 from raytrain.failures import Signature, is_storage_error, signature
 from raytrain.start_watch import mark_began
@@ -186,7 +186,7 @@ class RunLog(ControllerCallback):
         elif isinstance(current_state, controller_state.ResizingState):
             decision: Any = current_state.scaling_decision  # a ResizeDecision in this state
             count = decision.num_workers
-            line = f"cluster changed: restarting the worker group at {count} worker{'s' if count != 1 else ''}"
+            line = f"cluster changed: restarting the worker group at {counted(count, 'worker')}"
         elif isinstance(current_state, controller_state.ErroredState):
             line = f"training failed: {describe_error(error)}"
         else:

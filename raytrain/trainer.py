@@ -31,7 +31,7 @@ from raytrain.config import (
     ParallelConfig,
     TrainSpec,
 )
-from raytrain.console import RunLogTail, append_line, init_ray, interrupt_line_left_to_caller, is_quiet, say
+from raytrain.console import RunLogTail, append_line, counted, init_ray, interrupt_line_left_to_caller, is_quiet, say
 from raytrain.data.materialized import describe_run_length
 from raytrain.data.parquet import ParquetIndex, ParquetSource, as_source, describe_reads
 from raytrain.errors import ConfigError, UserCodeError
@@ -238,8 +238,7 @@ def local_cpus(spec: TrainSpec) -> int:
 
 def local_cpus_reason(spec: TrainSpec) -> str:
     """What `local_cpus(spec)` makes room for, as `connect_ray`'s one line says it: "2 workers and Ray Data"."""
-    count = spec.cluster.max_workers
-    return f"{count} worker{'s' if count != 1 else ''} and Ray Data"
+    return f"{counted(spec.cluster.max_workers, 'worker')} and Ray Data"
 
 
 def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True, quiet: bool = True) -> None:

@@ -18,3 +18,5 @@ def test_bundles_never_span_nodes() -> None:
 def test_the_phrases_name_the_request_and_the_nodes() -> None:
     assert describe_request(3, {"CPU": 1.0, "GPU": 0.0}) == "3 workers of CPU 1"
     assert describe_nodes([{"CPU": 2.0, "memory": 1e9}], ["CPU"]) == "1 node: CPU 2"
+    assert describe_request(1, {"CPU": 2.0}) == "1 worker of CPU 2"
+    assert describe_nodes([{"CPU": 1.0}, {"CPU": 1.0}], ["CPU"]).startswith("2 nodes: ")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from raytrain.collectives import all_reduce_min
+from raytrain.console import counted
 from raytrain.errors import ConfigError
 from raytrain.memory_plan import GB, loop_memory
 from raytrain.parallel.apply import UnitsFn, fsdp_units
@@ -101,9 +102,10 @@ def choose_layout(
                 break
         else:
             raise ConfigError(
-                f"strategy 'auto': the model ({num_params:,} parameters) does not fit on {world_size} worker(s) of "
-                f"{memory_bytes / GB:.3g} GB with ddp, zero2 or zero3 (zero3 peak {peak('zero3', 'sharded') / GB:.3g}"
-                f" GB > budget {budget / GB:.3g} GB); add workers or use tensor/pipeline parallelism"
+                f"strategy 'auto': the model ({num_params:,} parameters) does not fit on "
+                f"{counted(world_size, 'worker')} of {memory_bytes / GB:.3g} GB with ddp, zero2 or zero3 "
+                f"(zero3 peak {peak('zero3', 'sharded') / GB:.3g} GB > budget {budget / GB:.3g} GB); "
+                "add workers or use tensor/pipeline parallelism"
             )
     sharded_fsdp = world_size > 1 and strategy in ("zero2", "zero3")
     if grad_accumulation == "auto":
