@@ -14,6 +14,9 @@ Data: a Parquet set the script writes (64 float32 features as Ray's tensor type,
                        .iter_torch_batches(prefetch_batches=4)` with the same model, accumulation and DDP no_sync;
     parquet, materialized W=2 on a data set 4x as large (`... x4`), for the same number of steps: what a
                        worker's memory does when the data set grows.
+    materialized again W=2  the materialized run once more, same code (A/A): `materialized_control_ratio`, its
+                       samples/s over the first's, is how far two runs of identical code differ on this machine,
+                       the noise floor of `parquet_over_materialized`.
 
 Measured on rank 0 from metrics.jsonl, in the steady state (after the first `skip` steps, without the first step
 of each epoch):
@@ -450,7 +453,7 @@ def main() -> None:
     else:
         reps, steps_per_epoch, skip, epochs = args.reps, 80, 10, 2
         runs = [("parquet", 2), ("parquet", 3), ("materialized", 2), ("streaming", 2), ("hand-written", 2)]
-        runs += [("parquet x4", 2), ("materialized x4", 2)]
+        runs += [("parquet x4", 2), ("materialized x4", 2), ("materialized again", 2)]
     if args.only:
         known = {mode.replace(" ", "-") for mode, _ in runs}
         if set(args.only.split(",")) - known:
@@ -476,7 +479,8 @@ def main() -> None:
                     base = mode.split()[0]
                     run_ = run_raytrain(storage, large_dir, name, base, workers, 1, max_steps=epochs * steps_per_epoch)
                 else:
-                    run_ = run_raytrain(storage, data_dir, name, mode, workers, epochs)
+                    same_as = "materialized" if mode == "materialized again" else mode  # the A/A control
+                    run_ = run_raytrain(storage, data_dir, name, same_as, workers, epochs)
                 results[key].append(summarise(run_, skip, data_bytes))
                 print(f"  done {key} rep {rep}: wait fraction {results[key][-1]['wait_fraction']:.3f}", flush=True)
         # Storage reads at W = 4, one epoch of the 4x data set: the default layout against one partition.
@@ -585,6 +589,7 @@ def main() -> None:
     hand = pick("hand-written W=2", "samples_per_s")
     parquet2 = pick("parquet W=2", "samples_per_s")
     materialized2 = pick("materialized W=2", "samples_per_s")
+    again2 = pick("materialized again W=2", "samples_per_s")
 
     def growth(mode: str) -> float | None:
         small, large = pick(f"{mode} W=2", "peak_rss_mb"), pick(f"{mode} x4 W=2", "peak_rss_mb")
@@ -600,6 +605,7 @@ def main() -> None:
             "data_wait_fraction_max_rank": pick("parquet W=2", "wait_fraction_max_rank"),
             "data_wait_fraction_max_rank_w3": pick("parquet W=3", "wait_fraction_max_rank"),
             "parquet_over_materialized": round(parquet2 / materialized2, 3) if parquet2 and materialized2 else None,
+            "materialized_control_ratio": round(again2 / materialized2, 3) if again2 and materialized2 else None,
             "worker_peak_rss_bytes_parquet": None if (v := pick("parquet W=2", "peak_rss_mb")) is None else v * 1e6,
             "worker_rss_growth_bytes_parquet": growth("parquet"),
             "worker_rss_growth_bytes_materialized": growth("materialized"),

@@ -63,7 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from _common import (
@@ -91,6 +91,14 @@ LR, SEED, SHUFFLE_BUFFER = 0.01, 0, 1024
 LARGE_HIDDEN, LARGE_STEPS_PER_EPOCH = 2048, 60
 
 
+class Size(NamedTuple):
+    """A comparison's model and run length: the MLP's hidden width, the training set's rows, the steps run."""
+
+    hidden: int
+    rows: int
+    max_steps: int
+
+
 def build_model(hidden: int = HIDDEN) -> nn.Module:
     """MLP 64 -> hidden -> hidden -> 1 (296,449 parameters at the default 512; 4,329,473 at 2048)."""
     return nn.Sequential(
@@ -110,9 +118,29 @@ def sgd(params: Any, lr: float) -> torch.optim.Optimizer:
 # ---------------------------------------------------------------- the matched hand-written loop
 
 
+def micro_slices(mine: Any, k: int, micro: int) -> list[Any]:
+    """This rank's rows of a step (`mine`, positions into the training set) cut into its `k` micro-batches."""
+    return [mine[j * micro : (j + 1) * micro] for j in range(k)]
+
+
+def matched_micro_steps(
+    model: nn.parallel.DistributedDataParallel, x_all: Any, y_all: Any, mine: Any, k: int, micro: int, scale: float
+) -> float:
+    """The matched loop's micro-steps of one optimizer step (the Ray loop's and `step_costs`' matched step are this):
+    each micro-batch of `mine` one forward and backward of the summed squared error times `scale` (W / B), DDP's
+    gradient sync on the last only (`no_sync` before). Returns the micro-batches' loss sum."""
+    local = 0.0
+    for j, picked in enumerate(micro_slices(mine, k, micro)):
+        x, y = torch.from_numpy(x_all[picked]), torch.from_numpy(y_all[picked])
+        with model.no_sync() if j < k - 1 else contextlib.nullcontext():
+            losses = (model(x) - y) ** 2
+            (losses.sum() * scale).backward()
+        local += float(losses.detach().sum())
+    return local
+
+
 def matched_train_func(config: dict[str, Any]) -> None:
     """What raytrain's deterministic loop does, written by hand for this one model and W (see the module doc)."""
-    import contextlib
     import gc
     import threading
 
@@ -167,14 +195,7 @@ def matched_train_func(config: dict[str, Any]) -> None:
             started = time.perf_counter()
             mine = order[start + rank * k * micro : start + (rank + 1) * k * micro]
             optimizer.zero_grad(set_to_none=True)
-            local = 0.0
-            for j in range(k):
-                picked = mine[j * micro : (j + 1) * micro]
-                x, y = torch.from_numpy(x_all[picked]), torch.from_numpy(y_all[picked])
-                with model.no_sync() if j < k - 1 else contextlib.nullcontext():
-                    losses = (model(x) - y) ** 2
-                    (losses.sum() * world / batch).backward()
-                local += float(losses.detach().sum())
+            local = matched_micro_steps(model, x_all, y_all, mine, k, micro, world / batch)
             optimizer.step()
             total = torch.tensor([local], dtype=torch.float64)
             dist.all_reduce(total)
@@ -468,9 +489,12 @@ def main() -> None:
     epochs = 2
     rows = steps_per_epoch * GLOBAL_BATCH
     max_steps = epochs * steps_per_epoch
-    large = {"rows": LARGE_STEPS_PER_EPOCH * GLOBAL_BATCH, "max_steps": epochs * LARGE_STEPS_PER_EPOCH}
+    small = Size(HIDDEN, rows, max_steps)
+    large = Size(LARGE_HIDDEN, LARGE_STEPS_PER_EPOCH * GLOBAL_BATCH, epochs * LARGE_STEPS_PER_EPOCH)
     wall = time.perf_counter()
-    costs = step_costs(blocks=3 if args.quick else 21, steps=10 if args.quick else 50)
+    costs: dict[str, Any] = {}
+    if {"raytrain", "matched"} <= set(variants):  # raytrain's step against the matched one, piece by piece
+        costs = step_costs(blocks=3 if args.quick else 21, steps=10 if args.quick else 50)
     start_ray()
     print(machine_line())
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
@@ -483,18 +507,16 @@ def main() -> None:
             rotated = variants[turn:] + variants[:turn]
             for variant in rotated:
                 name = f"{variant}-{rep}"
-                size = (LARGE_HIDDEN, large["rows"], large["max_steps"]) if "-large" in variant else None
+                size = large if "-large" in variant else small
                 if variant.startswith("plain"):
                     run = run_plain(storage, name, rows, epochs, max_steps, every, no_sync=variant != "plain")
-                elif size is not None and variant.startswith("matched"):
-                    run = run_matched(storage, name, size[1], epochs, size[2], every, hidden=size[0])
-                elif size is not None:
-                    run = run_raytrain(storage, name, size[1], epochs, size[2], every, True, hidden=size[0])
                 elif variant.startswith("matched"):
-                    run = run_matched(storage, name, rows, epochs, max_steps, every)
+                    run = run_matched(storage, name, size.rows, epochs, size.max_steps, every, hidden=size.hidden)
                 else:
-                    deterministic = variant == "raytrain"
-                    run = run_raytrain(storage, name, rows, epochs, max_steps, every, deterministic)
+                    deterministic = variant != "raytrain-streaming"
+                    run = run_raytrain(
+                        storage, name, size.rows, epochs, size.max_steps, every, deterministic, hidden=size.hidden
+                    )
                 results[variant].append(summarise(run, skip, every))
                 order.append(name)
                 print(f"  done {name}: {results[variant][-1]['rate_all']:.2f} steps/s", flush=True)
@@ -567,13 +589,14 @@ def main() -> None:
         "the time beyond the median step per checkpoint over the whole window; 'epoch s' the extra time of the "
         "step that starts the second epoch."
     )
-    print(
-        f"\nraytrain's per-step work without Ray (one process, W = 1 gloo, the model above; {costs.pop('blocks')} "
-        "alternated blocks of steps, medians): the matched step "
-        f"{costs['matched_step_us']:.0f} us; raytrain's step {costs['step_cost_us']:+.0f} us, of which the gradient "
-        f"norm {costs['step_cost_norm_us']:.0f} us, the micro-batch seeds {costs['step_cost_seeds_us']:.0f} us, the "
-        f"step source's hand-over {costs['step_cost_data_us']:.0f} us"
-    )
+    if costs:
+        print(
+            f"\nraytrain's per-step work without Ray (one process, W = 1 gloo, the model above; "
+            f"{costs.pop('blocks')} alternated blocks of steps, medians): the matched step "
+            f"{costs['matched_step_us']:.0f} us; raytrain's step {costs['step_cost_us']:+.0f} us, of which the "
+            f"gradient norm {costs['step_cost_norm_us']:.0f} us, the micro-batch seeds "
+            f"{costs['step_cost_seeds_us']:.0f} us, the step source's hand-over {costs['step_cost_data_us']:.0f} us"
+        )
     print(f"wall time {time.perf_counter() - wall:.1f} s")
     headline: dict[str, Any] = dict(costs)
     for _, v, b, pair in compared:  # the headline's ratio keys, in the table's order
@@ -712,14 +735,7 @@ def _step_costs_here(blocks: int, steps: int) -> dict[str, Any]:
     def matched() -> None:
         mine = order[position() :][:batch]
         optimizer.zero_grad(set_to_none=True)
-        local = 0.0
-        for j in range(ACCUMULATION):
-            picked = mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]
-            x, y = torch.from_numpy(x_all[picked]), torch.from_numpy(y_all[picked])
-            with model.no_sync() if j < ACCUMULATION - 1 else contextlib.nullcontext():
-                losses = (model(x) - y) ** 2
-                (losses.sum() / batch).backward()
-            local += float(losses.detach().sum())
+        local = matched_micro_steps(model, x_all, y_all, mine, ACCUMULATION, MICRO_BATCH, 1 / batch)
         optimizer.step()
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
@@ -732,14 +748,8 @@ def _step_costs_here(blocks: int, steps: int) -> dict[str, Any]:
             assert data is not None
             micro_batches = data.micro_batches
         else:
-            mine = order[start:][:batch]
-            micro_batches = [
-                {
-                    "x": torch.from_numpy(x_all[mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]]),
-                    "y": torch.from_numpy(y_all[mine[j * MICRO_BATCH : (j + 1) * MICRO_BATCH]]),
-                }
-                for j in range(ACCUMULATION)
-            ]
+            slices = micro_slices(order[start:][:batch], ACCUMULATION, MICRO_BATCH)  # the matched loop's indexing
+            micro_batches = [{"x": torch.from_numpy(x_all[p]), "y": torch.from_numpy(y_all[p])} for p in slices]
         sizes = [MICRO_BATCH] * ACCUMULATION
         seeding = MicroBatchSeeds(SEED, at[0], 0, sizes, 0, torch.device("cpu")) if seeds else None
         real_norm = step_module.global_grad_norm

@@ -84,6 +84,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
     ),
     (
         "input_pipeline",
+        "materialized_control_ratio",
+        "the materialized path run twice, second ÷ first (A/A): the noise floor",
+        None,
+    ),
+    (
+        "input_pipeline",
         "data_cpu_fraction_parquet_w2",
         "Parquet path: rank 0's data threads' CPU ÷ step time, W = 2 (cores: 2 workers on 2)",
         None,
@@ -278,6 +284,7 @@ NOISE: dict[str, tuple[str, float]] = {
     "overhead_ratio": ("control_ratio", 1.0),
     "start_overhead_s": ("start_control_s", 0.0),
     "checkpoint_overhead_fraction": ("checkpoint_control_fraction", 0.0),
+    "parquet_over_materialized": ("materialized_control_ratio", 1.0),
 }
 
 
