@@ -213,18 +213,37 @@ def expected_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(by_id.values())
 
 
-def check_names(pretrained: Pretrained, model: nn.Module) -> str:
-    """Check the checkpoint against `model` (on the meta device is enough): `ConfigError` naming the first
-    missing tensor, the first unexpected one, or a shape that differs. Returns a line for the log."""
+MISSING_CHOICES = ("init", "error")  # ElasticTrainer(init_missing=...): a model tensor the files lack
+UNEXPECTED_CHOICES = ("error", "ignore")  # ElasticTrainer(init_unexpected=...): a file tensor the model lacks
+
+
+def check_names(
+    pretrained: Pretrained, model: nn.Module, *, missing: str = "init", unexpected: str = "error"
+) -> list[str]:
+    """Check the checkpoint against `model` (on the meta device is enough) and return the lines for the log.
+
+    - A tensor of the model the files lack (a new head on a pretrained trunk): with `missing="init"` it keeps the
+      model's own init (the build replays `model_fn`'s code for it, the same at every W), listed in one line; with
+      "error" a `ConfigError` names it. One name of a tied parameter is enough (save_pretrained stores a tie once).
+    - A tensor in the files the model lacks (the LM head of a model fine-tuned as a classifier): `ConfigError`
+      naming it, or with `unexpected="ignore"` left out of `pretrained` (never read), in one line.
+    - A shape that differs: always a `ConfigError` naming the tensor and both shapes.
+    - Files of a base model for a model with a head (transformers' `base_model_prefix`: "h.0.attn..." for a
+      model whose names are "transformer.h.0.attn..."), or the reverse: the prefix is added or removed, in one line.
+    """
+    if missing not in MISSING_CHOICES:
+        raise ConfigError(f"init_missing must be one of {MISSING_CHOICES}, got {missing!r}")
+    if unexpected not in UNEXPECTED_CHOICES:
+        raise ConfigError(f"init_unexpected must be one of {UNEXPECTED_CHOICES}, got {unexpected!r}")
+    expected = expected_tensors(model)
+    lines = [_match_base_prefix(pretrained, model, {name for names, _ in expected for name in names})]
     used: set[str] = set()
-    for names, tensor in expected_tensors(model):
+    absent: list[str] = []
+    for names, tensor in expected:
         found = [name for name in names if name in pretrained.entries]
         if not found:
-            raise ConfigError(
-                f"init_from {pretrained.uri!r} has no tensor {names[0]!r} of the model"
-                + (f" (nor its tied names {names[1:]})" if len(names) > 1 else "")
-                + "; pass init_key_map to map the files' names to the model's"
-            )
+            absent.append(names[0])
+            continue
         entry = pretrained.entries[found[0]]
         if entry.shape != tuple(tensor.shape):
             raise ConfigError(
@@ -232,13 +251,60 @@ def check_names(pretrained: Pretrained, model: nn.Module) -> str:
                 f"{list(tensor.shape)} in the model"
             )
         used.update(found)
-    unexpected = sorted(set(pretrained.entries) - used)
-    if unexpected:
+    if absent and (missing == "error" or not used):
+        why = "init_missing='error'" if used else "not one of the model's tensors is in the files"
         raise ConfigError(
-            f"init_from {pretrained.uri!r} holds {len(unexpected)} tensor(s) the model does not have, e.g. "
-            f"{unexpected[0]!r}; pass init_key_map returning None for the ones to leave out"
+            f"init_from {pretrained.uri!r} has no tensor {absent[0]!r} of the model ({_count(absent)} missing; "
+            f"{why}): pass init_key_map to map the files' names to the model's"
+            + ("" if used else ", or check that init_from holds this model's weights")
         )
-    return f"weights from {pretrained.uri}: {len(pretrained.entries)} tensors, {pretrained.nbytes / 2**20:.4g} MiB"
+    surplus = sorted(set(pretrained.entries) - used)
+    if surplus and unexpected == "error":
+        raise ConfigError(
+            f"init_from {pretrained.uri!r} holds {_count(surplus)} the model does not have, e.g. {surplus[0]!r}: "
+            "pass init_unexpected='ignore' to leave them out (e.g. an LM head under a classifier), or init_key_map "
+            "to map their names to the model's"
+        )
+    for name in surplus:
+        del pretrained.entries[name]
+    lines.append(
+        f"weights from {pretrained.uri}: {len(pretrained.entries)} tensors, {pretrained.nbytes / 2**20:.4g} MiB"
+    )
+    if absent:
+        verb = "keeps" if len(absent) == 1 else "keep"
+        lines.append(f"init_from: {_count(absent)} not in the files {verb} the model's own init: {_names(absent)}")
+    if surplus:
+        lines.append(
+            f"init_from: {_count(surplus)} of the files left out (init_unexpected='ignore'): {_names(surplus)}"
+        )
+    return [line for line in lines if line]
+
+
+def _count(names: list[str]) -> str:
+    return f"{len(names)} tensor" + ("" if len(names) == 1 else "s")
+
+
+def _names(names: list[str], shown: int = 6) -> str:
+    return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def _match_base_prefix(pretrained: Pretrained, model: nn.Module, wanted: set[str]) -> str:
+    """Rename `pretrained`'s entries when its files hold a transformers base model and `model` has a head over it
+    (their names lack the model's `base_model_prefix`), or the reverse, and more names match that way; returns the
+    line saying so ("" when nothing is renamed)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not isinstance(prefix, str) or not prefix:
+        return ""
+    names = list(pretrained.entries)
+    direct = sum(name in wanted for name in names)
+    added = {name: f"{prefix}.{name}" for name in names}
+    removed = {name: name.removeprefix(f"{prefix}.") for name in names}
+    best = max((added, removed), key=lambda renames: sum(new in wanted for new in renames.values()))
+    if sum(new in wanted for new in best.values()) <= direct or len(set(best.values())) < len(names):
+        return ""
+    pretrained.entries = {best[name]: entry for name, entry in pretrained.entries.items()}
+    how = "lack" if best is added else "carry"
+    return f"init_from: the files' names {how} the model's prefix {prefix!r} ({names[0]!r}): matched with it"
 
 
 def stored_name(pretrained: Pretrained, name: str, aliases: Mapping[str, Sequence[str]] | None = None) -> str | None:
@@ -256,7 +322,7 @@ def load_into(
     """Fill a materialized `model` (possibly sharded) with the tensors `pretrained` holds, this rank's part only
     (a tied parameter under any of its names: `stored_name`); returns the names left as they were (the tensors
     the files do not hold)."""
-    from raytrain.model_init import fill
+    from raytrain.model_tensors import fill
 
     def value(name: str, target: torch.Tensor) -> torch.Tensor | None:
         stored = stored_name(pretrained, name, aliases)

@@ -452,6 +452,10 @@ class ElasticTrainer:
             (`raytrain.pretrained`). A resumed run starts from its checkpoint instead.
         init_key_map: optional `init_key_map(name_in_files) -> model name | None` for weights saved under other
             names (None leaves a tensor of the files out).
+        init_missing: a tensor of the model that `init_from` lacks (a new head on a pretrained model): "init" (the
+            default) keeps the model's own init, the same at every W, listed in one line; "error" refuses it.
+        init_unexpected: a tensor of `init_from` the model lacks (the LM head under a classifier): "error" (the
+            default) refuses it naming it; "ignore" leaves it out, in one line.
 
     Everything is validated in the constructor and in `fit` before a worker starts; a `ConfigError` names
     the field, its value and the valid range.
@@ -478,6 +482,8 @@ class ElasticTrainer:
         storage_filesystem: Any = None,
         init_from: str | None = None,
         init_key_map: Callable[[str], str | None] | None = None,
+        init_missing: str = "init",
+        init_unexpected: str = "error",
     ) -> None:
         for name, fn in (("model_fn", model_fn), ("loss_fn", loss_fn), ("optimizer_fn", optimizer_fn)):
             if not callable(fn):
@@ -548,7 +554,14 @@ class ElasticTrainer:
         self.meta_init = False  # decided by check_user_functions
         if init_from is not None and (not isinstance(init_from, str) or not init_from):
             raise ConfigError(f"init_from must be a path or URI (a string), got {init_from!r}")
+        from raytrain.pretrained import MISSING_CHOICES, UNEXPECTED_CHOICES
+
+        if init_missing not in MISSING_CHOICES:
+            raise ConfigError(f"init_missing must be one of {MISSING_CHOICES}, got {init_missing!r}")
+        if init_unexpected not in UNEXPECTED_CHOICES:
+            raise ConfigError(f"init_unexpected must be one of {UNEXPECTED_CHOICES}, got {init_unexpected!r}")
         self.init_from, self.init_key_map = init_from, init_key_map
+        self.init_missing, self.init_unexpected = init_missing, init_unexpected
         self.pretrained: Any = None  # `raytrain.pretrained.Pretrained`, read and checked by check_user_functions
         self.datasets = datasets
         self.required_columns = tuple(required_columns)
@@ -612,11 +625,16 @@ class ElasticTrainer:
             from raytrain.pretrained import check_names, open_pretrained
 
             self.pretrained = open_pretrained(self.init_from, self.init_key_map)
-            say(check_names(self.pretrained, model))
+            for line in check_names(
+                self.pretrained, model, missing=self.init_missing, unexpected=self.init_unexpected
+            ):
+                say(line)
         try:
             # pretrained weights replace the init: the sharded build then reads only each rank's shard
             prefer = self.pretrained is not None
             choice = choose_init(spec.parallel.init, self.model_fn, spec.loop.seed, prefer_sharded=prefer)
+        except ConfigError:
+            raise
         except ValueError as err:
             raise ConfigError(f"init 'meta' is not possible for this model: {err}; use init 'auto' or 'full'") from None
         self.meta_init = choice.sharded

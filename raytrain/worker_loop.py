@@ -37,7 +37,8 @@ from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
-from raytrain.model_init import InitTrace, record_build, tie_aliases
+from raytrain.model_init import InitTrace, record_build, refuse_lazy
+from raytrain.model_tensors import tie_aliases
 from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
 from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
 from raytrain.parallel.dims import ParallelDims, check_tp_within_nodes
@@ -188,7 +189,9 @@ def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
         built = record_build(job.model_fn)
         return built.model, built.trace
     torch.manual_seed(job.spec.loop.seed)
-    return job.model_fn(), None
+    model = job.model_fn()
+    refuse_lazy(model)  # the own loop's first check of model_fn (ElasticTrainer's driver checked it already)
+    return model, None
 
 
 def _run_dir_of(checkpoint_path: str) -> str:

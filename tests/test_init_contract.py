@@ -20,13 +20,16 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from user_models import FAMILIES, NanoGPT, llama, resnet
+from user_models import FAMILIES, InitPatterns, NanoGPT, llama, resnet
 
-from raytrain.model_init import FULL_BUILD_MAX_BYTES, check_trace, choose_init, materialize, record_build, tie_groups
+from raytrain.model_init import FULL_BUILD_MAX_BYTES, check_trace, choose_init, materialize, record_build
+from raytrain.model_tensors import tie_groups
 from raytrain.parallel.apply import apply_parallelism
 from raytrain.testing.multiprocess import run_world
 
 SEED = 3
+BUILDERS = {**FAMILIES, "patterns": InitPatterns}
+W2_FAMILIES = ("nanoGPT", "transformers.Llama-tied", "transformers.ResNet", "patterns")
 
 
 def _eager(model_fn) -> nn.Module:  # type: ignore[no-untyped-def]
@@ -38,9 +41,7 @@ def _sharded(model_fn) -> tuple[nn.Module, dict[str, bool]]:  # type: ignore[no-
     """The sharded build at W = 1, and for every tensor name whether its recorded init draws random numbers."""
     built = record_build(model_fn)
     trace = built.trace
-    random = {
-        name: any(trace.ops[i].random for i in trace._closure(ref.storage)) for name, ref in trace.tensors.items()
-    }
+    random = {name: any(trace.ops[i].random for i in trace.closure(ref.storage)) for name, ref in trace.tensors.items()}
     materialize(built.model, "cpu", trace, SEED)
     return built.model, random
 
@@ -130,7 +131,7 @@ def test_the_full_build_equals_the_users_model_exactly(family: str) -> None:
 
 def _gathered(rank: int, world: int, family: str, strategy: str) -> dict[str, object]:
     """The model's tensors after the sharded build and `apply_parallelism` at W = `world`, gathered whole."""
-    built = record_build(FAMILIES[family])
+    built = record_build(BUILDERS[family])
     model = apply_parallelism(built.model, strategy, torch.device("cpu"), world, init=built.trace, seed=SEED)
     model = getattr(model, "module", model)
     tensors = {
@@ -142,13 +143,13 @@ def _gathered(rank: int, world: int, family: str, strategy: str) -> dict[str, ob
 
 @functools.cache
 def _w1(family: str) -> dict[str, torch.Tensor]:
-    return _tensors(_sharded(FAMILIES[family])[0])
+    return _tensors(_sharded(BUILDERS[family])[0])
 
 
 def _world_main(rank: int, world: int) -> dict[tuple[str, str], dict[str, object]]:
     return {
         (family, strategy): _gathered(rank, world, family, strategy)
-        for family in ("nanoGPT", "transformers.Llama-tied", "transformers.ResNet")
+        for family in W2_FAMILIES
         for strategy in ("zero1", "zero2", "zero3")
     }
 
@@ -159,7 +160,7 @@ def at_w2() -> list[dict[tuple[str, str], dict[str, object]]]:
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
-@pytest.mark.parametrize("family", ["nanoGPT", "transformers.Llama-tied", "transformers.ResNet"])
+@pytest.mark.parametrize("family", W2_FAMILIES)
 def test_the_sharded_build_is_the_same_at_every_world_size_and_strategy(
     at_w2: list[dict[tuple[str, str], dict[str, object]]], family: str, strategy: str
 ) -> None:
@@ -169,8 +170,8 @@ def test_the_sharded_build_is_the_same_at_every_world_size_and_strategy(
         tensors = result["tensors"]
         assert isinstance(tensors, dict) and list(tensors) == list(want)
         for name, value in want.items():
-            assert torch.equal(tensors[name], value), f"{name} differs at W = 2 with {strategy}"
-        assert result["ties"] == tie_groups(FAMILIES[family]())
+            assert torch.equal(tensors[name].nan_to_num(7.0), value.nan_to_num(7.0)), f"{name} at W = 2, {strategy}"
+        assert result["ties"] == tie_groups(BUILDERS[family]())
 
 
 class LeavesEmpty(nn.Module):
@@ -217,3 +218,76 @@ def test_the_tie_survives_sharding_into_training() -> None:
     optimizer.step()
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert sum(1 for p in optimizer.state if p is model.lm_head.weight) == 1
+
+
+def _reachable(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of `model` by name: parameters, buffers and attribute tensors (`raytrain.model_tensors`)."""
+    from raytrain.model_tensors import attribute_tensors
+
+    return {**_tensors(model), **dict(attribute_tensors(model))}
+
+
+def test_the_sharded_build_reproduces_the_patterns_users_write() -> None:
+    """`InitPatterns` (user_models): operations with several outputs keep each output's own values (an index
+    buffer stays integers, a var_mean's mean is the mean); draws from generators the constructor controls replay
+    exactly (the seeded twin networks start equal to each other and to the eager build; the private generator's
+    buffer does not follow the run's seed); trunc_normal_ draws from its truncated distribution; a NaN set on
+    purpose is kept; attribute tensors (`_`-named, in a list, a dict, a tuple) come out real. Every tensor but
+    the one drawn from the run's seed equals the eager build bit for bit, and so does the forward."""
+    from user_models import InitPatterns
+
+    eager = _eager(InitPatterns)
+    built = record_build(InitPatterns)
+    assert check_trace(built.trace, SEED) is None
+    materialize(built.model, "cpu", built.trace, SEED)
+    sharded = built.model
+    want, got = _reachable(eager), _reachable(sharded)
+    assert list(got) == list(want) and {"_scale", "masks.1", "constants.shift", "pair.0"} <= set(got)
+    for name, value in want.items():
+        assert not got[name].is_meta, name
+        if name != "patch":
+            assert torch.equal(got[name].nan_to_num(7.0), value.nan_to_num(7.0)), f"{name} differs from eager"
+    assert got["sort_order"].dtype == torch.int64 and got["sort_order"].tolist() == [[0, 2, 1, 3], [1, 3, 0, 2]]
+    assert torch.isnan(got["missing"]).all()
+    patch = got["patch"].detach()
+    assert patch.abs().max() <= 0.5 and not torch.equal(patch, want["patch"])
+    assert same_distribution(patch, want["patch"].detach())
+    for other_seed in (SEED + 1, SEED + 2):  # the private generator's draw: the same whatever the run's seed
+        again = record_build(InitPatterns)
+        materialize(again.model, "cpu", again.trace, other_seed)
+        assert torch.equal(again.model.fixed_noise, want["fixed_noise"])
+        assert not torch.equal(again.model.patch, patch)  # the run's seed does move the unseeded draw
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        sharded.patch.copy_(eager.patch)  # the one random tensor: with it equal, the forwards are equal
+        assert torch.equal(sharded(x), eager(x))
+
+
+def test_what_the_sharded_build_cannot_reproduce_is_named() -> None:
+    """Memory left unset (torch.empty never written) is refused naming the tensor, also when only part of it is
+    set; NaN set on purpose is not; a lazy module is refused in every init mode with what to do instead."""
+    from raytrain.errors import ConfigError
+
+    class PartlySet(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("table", torch.empty(4))
+            self.table[:2] = 1.0
+
+    class NanOnPurpose(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(2, 2)
+            self.register_buffer("unknown", torch.empty(3).fill_(float("nan")))
+
+    assert check_trace(record_build(PartlySet).trace, SEED) == (
+        "'table' is created with torch.empty and model_fn leaves (part of) it unset"
+    )
+    assert check_trace(record_build(NanOnPurpose).trace, SEED) is None
+
+    def lazy() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(4), nn.Tanh(), nn.Linear(4, 1))
+
+    for mode in ("auto", "meta", "full"):
+        with pytest.raises(ConfigError, match=r"lazy module \(LazyLinear: '0.weight' has no shape until its first"):
+            choose_init(mode, lazy, SEED)

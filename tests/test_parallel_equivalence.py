@@ -32,7 +32,8 @@ from user_models import DropoutDecoder, gpt2, llama
 
 from raytrain.batch_plan import plan_batch
 from raytrain.data.materialized import rank_micro_batches
-from raytrain.model_init import MetaBuild, record_build, tie_aliases, tie_groups
+from raytrain.model_init import MetaBuild, record_build
+from raytrain.model_tensors import tie_aliases, tie_groups
 from raytrain.optim import build_optimizer, call_optimizer_fn
 from raytrain.parallel.apply import apply_parallelism, step_policy, unwrap
 from raytrain.parallel.dims import ParallelDims

@@ -2,7 +2,9 @@
 the model's initial weights.
 
 - The driver's check names a missing, unexpected or reshaped tensor and the files' problems; `init_key_map`
-  renames; one name of a tied parameter is enough (save_pretrained stores a tie once).
+  renames; one name of a tied parameter is enough (save_pretrained stores a tie once). A new head on a pretrained
+  model (a classifier from an LM file) keeps its own init, listed; the LM head the classifier lacks is refused, or
+  left out on request; a base model's file matches a model with a head through transformers' prefix.
 - Loaded through `apply_parallelism` at ddp W = 1, zero3 W = 2 and tensor parallel 2 (Llama's attention and MLP
   split), with the sharded build and with the full build, the weights equal the file bit for bit, and a zero3 rank
   reads about half the bytes.
@@ -21,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
-from user_models import gpt2, llama
+from user_models import gpt2, gpt2_classifier, llama
 
 from raytrain.errors import ConfigError
 from raytrain.model_init import record_build
@@ -44,7 +46,8 @@ def saved(kind: str) -> Path:
     import tempfile
 
     torch.manual_seed(1)
-    model = {"gpt2": gpt2, "llama": llama, "llama-shards": llama}[kind]()
+    builders = {"gpt2": gpt2, "llama": llama, "llama-shards": llama, "llama-untied": functools.partial(llama, False)}
+    model = builders[kind]() if kind != "gpt2-base" else gpt2().transformer  # GPT2Model: names without the prefix
     directory = Path(tempfile.mkdtemp(prefix=f"raytrain-pretrained-{kind}-"))
     model.save_pretrained(directory, max_shard_size="20KB" if kind == "llama-shards" else "5GB")
     return directory
@@ -60,7 +63,7 @@ def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def test_the_driver_checks_the_names_against_the_model(tmp_path: Path) -> None:
     model = record_build(gpt2).model
     assert "lm_head.weight" not in file_tensors(saved("gpt2"))  # the tie is stored once
-    line = check_names(open_pretrained(str(saved("gpt2"))), model)
+    (line,) = check_names(open_pretrained(str(saved("gpt2"))), model)
     assert line.startswith(f"weights from {saved('gpt2')}: ") and "tensors" in line
     shards = open_pretrained(str(saved("llama-shards")))  # model.safetensors.index.json and its shards
     assert len({entry.file for entry in shards.entries.values()}) > 1
@@ -72,16 +75,58 @@ def test_the_driver_checks_the_names_against_the_model(tmp_path: Path) -> None:
 
     renamed = tmp_path / "renamed.safetensors"  # as another trainer might have saved it
     save_file({"gpt." + name: value for name, value in file_tensors(saved("gpt2")).items()}, renamed)
-    with pytest.raises(ConfigError, match=r"has no tensor 'transformer.wte.weight' of the model \(nor its tied names"):
+    with pytest.raises(
+        ConfigError, match=r"has no tensor 'transformer.wte.weight' of the model \(28 tensors missing; not"
+    ):
         check_names(open_pretrained(str(renamed)), model)
     check_names(open_pretrained(str(renamed), key_map=lambda name: name.removeprefix("gpt.")), model)
-    with pytest.raises(ConfigError, match=r"holds 12 tensor\(s\) the model does not have, e.g. 'transformer.h.1"):
+    with pytest.raises(
+        ConfigError, match=r"holds 12 tensors the model does not have, e.g. 'transformer.h.1.*init_unex"
+    ):
         check_names(open_pretrained(str(saved("gpt2"))), record_build(functools.partial(_gpt2_layers, 1)).model)
     wider = functools.partial(_gpt2_layers, 2, 48)
     with pytest.raises(
         ConfigError, match=r"tensor 'transformer.wte.weight' has shape \[64, 32\] in the files, \[64, 48\]"
     ):
         check_names(open_pretrained(str(saved("gpt2"))), record_build(wider).model)
+
+
+def test_a_new_head_on_a_pretrained_model_keeps_its_own_init() -> None:
+    """The most common fine-tune: a classifier on a pretrained LM. The head the LM file lacks keeps the model's own
+    init, listed in one line (or is refused with init_missing='error'); an LM head the classifier lacks is refused
+    naming it, or left out with init_unexpected='ignore'; a base model's file (GPT2Model: no 'transformer.'
+    prefix) matches a model with a head."""
+    import transformers
+
+    classifier = record_build(gpt2_classifier).model
+    lines = check_names(open_pretrained(str(saved("gpt2"))), classifier)
+    assert lines[1] == "init_from: 1 tensor not in the files keeps the model's own init: score.weight"
+    with pytest.raises(ConfigError, match=r"has no tensor 'score.weight' of the model \(1 tensor missing; init_miss"):
+        check_names(open_pretrained(str(saved("gpt2"))), classifier, missing="error")
+
+    def llama_classifier() -> nn.Module:
+        config = llama(tie=False).config
+        config.num_labels, config.pad_token_id = 3, 0
+        return transformers.LlamaForSequenceClassification(config)
+
+    untied = str(saved("llama-untied"))  # holds lm_head.weight, which a classifier lacks
+    with pytest.raises(
+        ConfigError, match=r"holds 1 tensor the model does not have, e.g. 'lm_head.weight': pass init_u"
+    ):
+        check_names(open_pretrained(untied), record_build(llama_classifier).model)
+    pretrained = open_pretrained(untied)
+    lines = check_names(pretrained, record_build(llama_classifier).model, unexpected="ignore")
+    assert lines[-1] == "init_from: 1 tensor of the files left out (init_unexpected='ignore'): lm_head.weight"
+    assert "lm_head.weight" not in pretrained.entries  # never read
+    base = open_pretrained(str(saved("gpt2-base")))
+    assert "h.0.attn.c_attn.weight" in base.entries
+    lines = check_names(base, classifier)
+    assert lines[0] == (
+        "init_from: the files' names lack the model's prefix 'transformer' ('h.0.attn.c_attn.bias'): matched with it"
+    )
+    assert "transformer.h.0.attn.c_attn.weight" in base.entries
+    with pytest.raises(ConfigError, match=r"init_missing must be one of \('init', 'error'\), got 'zero'"):
+        check_names(base, classifier, missing="zero")
 
 
 def _gpt2_layers(layers: int, width: int = 32) -> nn.Module:
@@ -109,7 +154,11 @@ CASES = {  # name -> (world, strategy, tp, model kind, sharded build)
     "zero3-w2": (2, "zero3", 1, "gpt2", True),
     "zero3-w2-full-build": (2, "zero3", 1, "gpt2", False),
     "tp2": (2, "ddp", 2, "llama", True),
+    "classifier-w1": (1, "ddp", 1, "gpt2-classifier", True),  # a new head on the LM file: the model's own init
+    "classifier-zero3-w2": (2, "zero3", 1, "gpt2-classifier", True),
 }
+BUILDERS = {"gpt2": gpt2, "llama": llama, "gpt2-classifier": gpt2_classifier}
+FILES = {"gpt2": "gpt2", "llama": "llama", "gpt2-classifier": "gpt2"}  # model kind -> the file it starts from
 
 
 def _load(rank: int, world: int, case: str, directory: str) -> dict[str, object]:
@@ -118,7 +167,7 @@ def _load(rank: int, world: int, case: str, directory: str) -> dict[str, object]
 
     _, strategy, tp, kind, sharded = CASES[case]
     pretrained = open_pretrained(directory)
-    builder = {"gpt2": gpt2, "llama": llama}[kind]
+    builder = BUILDERS[kind]
     dims = ParallelDims.of(world, tp=tp)
     mesh = dims.build_mesh("cpu") if dims.model_parallel else None
     if sharded:
@@ -140,20 +189,20 @@ def _load(rank: int, world: int, case: str, directory: str) -> dict[str, object]
 
 
 def _world_main(rank: int, world: int, dirs: dict[str, str]) -> dict[str, dict[str, object]]:
-    return {case: _load(rank, world, case, dirs[spec[3]]) for case, spec in CASES.items() if spec[0] == world}
+    return {case: _load(rank, world, case, dirs[FILES[spec[3]]]) for case, spec in CASES.items() if spec[0] == world}
 
 
 @pytest.fixture(scope="module")
 def loaded() -> dict[str, list[dict[str, object]]]:
     dirs = {kind: str(saved(kind)) for kind in ("gpt2", "llama")}  # the files every rank reads
-    results: dict[str, list[dict[str, object]]] = {"ddp-w1": [_load(0, 1, "ddp-w1", dirs["gpt2"])]}
+    results = {case: [_load(0, 1, case, dirs[FILES[kind]])] for case, (w, _, _, kind, _) in CASES.items() if w == 1}
     for rank in run_world(_world_main, 2, dirs, preload=("torch", "raytrain.worker_loop", "transformers")):
         for case, result in rank.items():
             results.setdefault(case, []).append(result)
     return results
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [case for case, spec in CASES.items() if "classifier" not in spec[3]])
 def test_loaded_weights_equal_the_file_bit_for_bit(loaded: dict[str, list[dict[str, object]]], case: str) -> None:
     kind = CASES[case][3]
     expected = file_tensors(saved(kind))
@@ -163,6 +212,20 @@ def test_loaded_weights_equal_the_file_bit_for_bit(loaded: dict[str, list[dict[s
         for name, value in expected.items():
             assert torch.equal(state[name], value), f"{name} differs from the file ({case})"
         assert torch.equal(state["lm_head.weight"], expected[next(n for n in expected if "embed" in n or "wte" in n)])
+
+
+def test_a_new_head_is_the_same_at_every_world_size(loaded: dict[str, list[dict[str, object]]]) -> None:
+    """The classifier started from the LM file: its trunk equals the file bit for bit, and its new head (the
+    model's own init, replayed from the recording) is the same at W = 1 and at zero3 W = 2 on every rank."""
+    expected = file_tensors(saved("gpt2"))
+    head = loaded["classifier-w1"][0]["state"]["score.weight"]  # type: ignore[index]
+    assert head.shape == (3, 32) and 0 < float(head.std()) < 1  # type: ignore[attr-defined]
+    for rank in [*loaded["classifier-w1"], *loaded["classifier-zero3-w2"]]:
+        state = rank["state"]
+        assert isinstance(state, dict)
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+        assert torch.equal(state["score.weight"], head)
 
 
 def test_a_zero3_rank_reads_its_shard_not_the_model(loaded: dict[str, list[dict[str, object]]]) -> None:

@@ -186,6 +186,15 @@ def gpt2(layers: int = 2) -> nn.Module:
     return transformers.GPT2LMHeadModel(config)
 
 
+def gpt2_classifier(labels: int = 3) -> nn.Module:
+    """transformers' GPT2ForSequenceClassification with `gpt2()`'s trunk: a new head (`score`) on a pretrained LM."""
+    import transformers
+
+    config = gpt2().config
+    config.num_labels, config.pad_token_id = labels, 0
+    return transformers.GPT2ForSequenceClassification(config)
+
+
 def llama(tie: bool = True, layers: int = 2) -> nn.Module:
     """transformers' LlamaForCausalLM, tiny, with or without `tie_word_embeddings`."""
     import transformers
@@ -226,3 +235,47 @@ FAMILIES = {
     "transformers.Llama": llama_untied,
     "transformers.ResNet": resnet,
 }
+
+
+class InitPatterns(nn.Module):
+    """Construction patterns found in models users bring, each of which the sharded build must reproduce:
+    operations with several outputs of one shape (sort, topk, max(dim), var_mean, std_mean, argsort, square QR),
+    a target network seeded like its online twin (`torch.manual_seed` inside the constructor, then a deepcopy), a
+    buffer drawn from a private fixed-seed generator, ViT's `trunc_normal_` (truncated tightly, so truncation
+    shows), a buffer set to NaN on purpose, and tensors kept as attributes: `_`-named, in a list, in a dict, in a
+    tuple. Its forward uses the attribute tensors, so garbage in them shows in the loss."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.patch = nn.Parameter(torch.empty(64, width))  # from the run's seed: before the constructor seeds
+        nn.init.trunc_normal_(self.patch, std=1.0, a=-0.5, b=0.5)
+        x = torch.tensor([[3.0, 1.0, 2.0, 0.0], [0.5, 4.0, -1.0, 2.5]])
+        values, order = torch.sort(x, dim=1, descending=True)
+        self.register_buffer("sorted_values", values)
+        self.register_buffer("sort_order", order)
+        self.register_buffer("topk_index", torch.topk(x, 2, dim=1).indices)
+        self.register_buffer("row_max_index", x.max(dim=1).indices)
+        var, mean = torch.var_mean(x, dim=1)
+        self.register_buffer("var", var)
+        self.register_buffer("mean", mean)
+        std, mean2 = torch.std_mean(x, dim=1)
+        self.register_buffer("std_and_mean", torch.stack([std, mean2]))
+        self.register_buffer("argsorted", torch.argsort(x, dim=1))
+        q, r = torch.linalg.qr(torch.tensor([[2.0, 1.0], [1.0, 3.0]]))
+        self.register_buffer("qr", torch.cat([q, r]))
+        torch.manual_seed(1234)  # a target network that starts as a copy of the online one
+        self.online = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        torch.manual_seed(1234)
+        self.target = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        generator = torch.Generator().manual_seed(7)
+        self.register_buffer("fixed_noise", torch.randn(width, generator=generator))
+        self.register_buffer("missing", torch.full((3,), float("nan")))  # NaN on purpose: "no value yet"
+        self._scale = torch.full((width,), 0.5)
+        self.masks = [torch.ones(width), torch.arange(width, dtype=torch.float32) / width]
+        self.constants = {"shift": torch.linspace(-1.0, 1.0, width)}
+        self.pair = (torch.eye(width)[0], 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self._scale * self.masks[0] + self.masks[1] + self.constants["shift"] + self.pair[0]
+        h = h + self.fixed_noise + self.patch.mean(0)
+        return (self.online(h) - self.target(h).detach()).squeeze(-1) + self.sorted_values[0, 0]

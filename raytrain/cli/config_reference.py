@@ -29,6 +29,10 @@ ENTRY_DOC = {
     "names.",
     "init_from": "optional string: pretrained weights, a safetensors file or a Hugging Face model directory "
     "(relative to the TOML file) or a URI such as `s3://bucket/model`.",
+    "init_missing": 'optional string, `"init"` (default) or `"error"`: a tensor of the model that `init_from` lacks '
+    "(a new head) keeps the model's own init, listed in one line, or is refused.",
+    "init_unexpected": 'optional string, `"error"` (default) or `"ignore"`: a tensor of `init_from` the model lacks '
+    "(an LM head under a classifier) is refused naming it, or left out in one line.",
     "required_columns": "optional list of strings: the columns `loss` reads, checked before any worker starts.",
 }
 

@@ -15,6 +15,8 @@ The file names Python entries for the builders and holds the config fields, one 
     init_from = "gpt2-small/"             # optional: pretrained weights, a safetensors file or a Hugging Face model
                                           # directory (relative to the file) or a URI such as s3://bucket/model
     init_key_map = "fit_entry.py:rename"  # optional: (name in the files) -> model name | None
+    init_missing = "init"                 # optional: a model tensor init_from lacks keeps its init ("error": refuse)
+    init_unexpected = "error"             # optional: a tensor of init_from the model lacks ("ignore": leave it out)
     required_columns = ["x", "y"]
 
     [batch]      -> BatchConfig      [lr] -> LRConfig      [loop] -> LoopConfig
@@ -54,6 +56,7 @@ SECTIONS: dict[str, type] = {
 }
 ENTRY_KEYS = ("model", "loss", "optimizer", "datasets")
 OPTIONAL_ENTRY_KEYS = ("lr_schedule", "tp_plan", "init_key_map")
+INIT_KEYS = ("init_from", "init_missing", "init_unexpected")  # strings of [entry] for pretrained weights
 
 
 def read_toml(path: str) -> dict[str, Any]:
@@ -140,6 +143,8 @@ class FitJob:
     required_columns: tuple[str, ...]
     layout_reason: str = ""  # why tp/pp "auto" chose the layout in `spec` ("" when they were given)
     init_from: str | None = None  # pretrained weights: a local path (absolute) or a URI
+    init_missing: str = "init"  # ElasticTrainer's init_missing
+    init_unexpected: str = "error"  # ElasticTrainer's init_unexpected
 
 
 def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = None) -> FitJob:
@@ -147,7 +152,7 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
     raw = read_toml(path)
     _check_keys("top level", raw, ["entry", *SECTIONS])
     entry = dict(raw.get("entry", {}))
-    _check_keys("entry", entry, [*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "required_columns", "init_from"])
+    _check_keys("entry", entry, [*ENTRY_KEYS, *OPTIONAL_ENTRY_KEYS, "required_columns", *INIT_KEYS])
     missing = [k for k in ENTRY_KEYS if k not in entry]
     if missing:
         raise ConfigError(f"[entry] is missing {missing}; it needs {list(ENTRY_KEYS)}")
@@ -174,7 +179,23 @@ def parse_fit_config(path: str, overrides: dict[str, dict[str, Any]] | None = No
         raise ConfigError(f"[entry] init_from must be a path or URI (a string), got {init_from!r}")
     if init_from is not None and "://" not in init_from:
         init_from = os.path.join(base_dir, init_from)
-    return FitJob(spec, entries, tuple(entry.get("required_columns", ())), reason, init_from)
+    from raytrain.pretrained import MISSING_CHOICES, UNEXPECTED_CHOICES
+
+    choices = {"init_missing": MISSING_CHOICES, "init_unexpected": UNEXPECTED_CHOICES}
+    for key, valid in choices.items():
+        if key in entry and entry[key] not in valid:
+            raise ConfigError(f"[entry] {key} must be one of {list(valid)}, got {entry[key]!r}")
+        if key in entry and init_from is None:
+            raise ConfigError(f"[entry] {key} applies to init_from weights; the file sets no init_from")
+    return FitJob(
+        spec,
+        entries,
+        tuple(entry.get("required_columns", ())),
+        reason,
+        init_from,
+        entry.get("init_missing", "init"),
+        entry.get("init_unexpected", "error"),
+    )
 
 
 def describe_plan(job: FitJob) -> str:

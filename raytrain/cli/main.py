@@ -572,6 +572,8 @@ def _make_trainer(job: FitJob, dashboard: bool = True) -> Any:
         tp_plan_fn=job.entries.get("tp_plan"),
         init_from=job.init_from,
         init_key_map=job.entries.get("init_key_map"),
+        init_missing=job.init_missing,
+        init_unexpected=job.init_unexpected,
     )
 
 

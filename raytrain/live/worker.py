@@ -132,7 +132,7 @@ class LiveWorker:
         from raytrain.data.materialized import IndexedSteps
         from raytrain.live.replica import LiveReplica
         from raytrain.lr_rules import ScheduleClock
-        from raytrain.model_init import tie_aliases
+        from raytrain.model_tensors import tie_aliases
         from raytrain.optim import build_optimizer
         from raytrain.parallel.apply import apply_parallelism, step_policy
         from raytrain.parallel.strategy import resolve_layout

@@ -44,7 +44,8 @@ import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
-from raytrain.model_init import InitTrace, materialize, tie_aliases, tie_groups
+from raytrain.model_init import InitTrace, materialize
+from raytrain.model_tensors import tie_aliases, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
 from raytrain.parallel.pipeline import KeptBlocks, Neighbours, PipelineStats, StageTie, keep_stage
 from raytrain.parallel.sequence import apply_sequence_parallel, sequence_blocks

@@ -316,7 +316,7 @@ class StageTie:
 def stage_ties(model: nn.Module, stages: int, chunks: int = 1) -> list[StageTie]:
     """The tied parameters of the whole `model` whose names fall into different pipeline stages (in
     `tie_groups` order, the same on every rank); `chunks` model chunks per stage as `keep_stage` cuts them."""
-    from raytrain.model_init import tie_groups
+    from raytrain.model_tensors import tie_groups
 
     cut = cut_stages(model, stages * chunks)
     ties = []

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from raytrain.errors import ConfigError
-from raytrain.model_init import tie_groups
+from raytrain.model_tensors import tie_groups
 from raytrain.rng import install_tp_rng
 
 TPStyle = str  # "colwise" or "rowwise"
