@@ -4,7 +4,8 @@ loads at any W' (DCP reshards on load), for DDP and FSDP2 alike.
 Layout of one checkpoint directory (Ray merges the per-rank directories into it):
     .metadata, __<rank>_0.distcp   model and optimizer state (DCP)
     optimizer_zero1.pt             zero1 only: the optimizer state consolidated on rank 0 (torch.save)
-    raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR
+    raytrain_state.json            rank 0: step, epoch, data position, batch plan, config, LR, and the model's
+                                   record for its export (`raytrain.model_record`)
     consumed_ranges.npy            rank 0: the ids consumed so far in the current epoch (streaming mode; empty on
                                    the position paths) as (R, 2) ranges [start, end); a checkpoint written
                                    before ranges holds consumed_ids.npy (every id) instead, which still loads
@@ -109,6 +110,7 @@ class TrainState:
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     data_order: dict[str, int] = field(default_factory=dict)  # Parquet: what epoch `epoch`'s order depends on
+    model: dict[str, Any] = field(default_factory=dict)  # what the export needs (`raytrain.model_record`)
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> TrainState:

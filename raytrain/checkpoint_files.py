@@ -88,7 +88,7 @@ def verify(directory: str, fs: Any = None) -> str | None:
         if info.size != expected[name]:
             return f"{name} has {info.size} of its {expected[name]} bytes"
     try:
-        _parse_metadata(_read(fs, posixpath.join(directory, METADATA_FILE)), directory)
+        parse_metadata(_read(fs, posixpath.join(directory, METADATA_FILE)), directory)
     except Exception as err:
         return f"{METADATA_FILE} does not parse ({type(err).__name__}: {err})"
     return None
@@ -217,7 +217,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which raytrain does not load")
 
 
-def _parse_metadata(data: bytes, where: str) -> Any:
+def parse_metadata(data: bytes, where: str) -> Any:
     """DCP's `Metadata` from its file's bytes, unpickled by `_MetadataUnpickler` (torch.distributed.checkpoint is
     imported here, not with this module: a new run's checks need none of its 3 s of imports)."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -231,7 +231,7 @@ def _parse_metadata(data: bytes, where: str) -> Any:
 def read_metadata(path: str) -> Any:
     """The DCP `Metadata` in the file at `path`, read safely (`_MetadataUnpickler`)."""
     with open(path, "rb") as f:
-        return _parse_metadata(f.read(), path)
+        return parse_metadata(f.read(), path)
 
 
 def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:

@@ -352,7 +352,7 @@ class LoopMemory:
     """Bytes one rank holds at the peak of an optimizer step of raytrain's loop, by kind (see `loop_memory`).
 
     `parts` maps a kind to its bytes: params (fp32 masters, or their shards), grads (whole for DDP, shards for
-    FSDP), optimizer (states), ddp_buckets, gathered (FSDP's unsharded parameters alive at once), unit_transient
+    FSDP), optimizer (states), gathered (FSDP's unsharded parameters alive at once), unit_transient
     (what FSDP allocates around one unit's backward: its unsharded gradient and reduce-scatter buffer, and for
     zero3 the unit's and the prefetched unit's gathered parameters), grad_cast (zero2 in bf16/fp16: the unit's
     gradient cast to fp32 for its reduce-scatter), accumulated_grads (the whole gradient held
@@ -390,7 +390,8 @@ def loop_memory(
     for fp32, 2 for bf16/fp16), U the largest FSDP unit, R the root unit (what no block claims; default U) and
     Ψ/W rounded up:
 
-        ddp    params 4Ψ + grads 4Ψ + DDP buckets 4Ψ (W > 1) + optimizer oΨ (+ cΨ autocast copies, c < 4)
+        ddp    params 4Ψ + grads 4Ψ (views of DDP's buckets: no second copy) + optimizer oΨ (+ cΨ autocast
+               copies, c < 4)
         zero1  the same with the optimizer state oΨ/W
         zero2  shards (4 + o)Ψ/W + every unit gathered cΨ + (c + 4)U around one unit's backward
                (+ 4U when c < 4: FSDP2 casts the unit's gradient to fp32, its reduce dtype, beside the
@@ -427,8 +428,6 @@ def loop_memory(
     parts: dict[str, int]
     if w == 1 or strategy in ("ddp", "zero1"):
         parts = {"params": 4 * psi, "grads": 4 * psi}
-        if w > 1:
-            parts["ddp_buckets"] = 4 * psi
         parts["optimizer"] = o * (_shard(psi, w) if strategy == "zero1" else psi)
         if c != 4:
             parts["cast"] = c * psi

@@ -135,6 +135,35 @@ def check_loss_fn(
     return ""
 
 
+def find_conditional_modules(
+    loss_fn: Callable[..., Any],
+    model: nn.Module,
+    sample: dict[str, np.ndarray],
+    build_cpu_model: Callable[[], nn.Module],
+) -> list[str] | None:
+    """The modules `loss_fn`'s forward calls on some inputs only (`raytrain.parallel.idle.conditional_modules`),
+    probed with `sample`'s rows together and one by one: on `model` when it runs on the meta device, else on a CPU
+    model from `build_cpu_model` up to `CPU_CHECK_MAX_PARAMS` parameters (a router's choice needs real values);
+    None when neither runs."""
+    from raytrain.data.materialized import to_tensors
+    from raytrain.parallel.idle import conditional_modules
+
+    rows = len(next(iter(sample.values())))
+    samples = [sample, *({name: column[i : i + 1] for name, column in sample.items()} for i in range(rows))]
+    on_meta = any(p.is_meta for p in model.parameters())
+    candidates: list[Callable[[], nn.Module]] = [lambda: model]
+    if on_meta and sum(p.numel() for p in model.parameters()) <= CPU_CHECK_MAX_PARAMS:
+        candidates.append(build_cpu_model)
+    for build in candidates:
+        try:
+            probed = build()
+            device = "meta" if any(p.is_meta for p in probed.parameters()) else "cpu"
+            return conditional_modules(probed, loss_fn, [to_tensors(rows_, device) for rows_ in samples])
+        except Exception:
+            continue
+    return None
+
+
 def _call_loss(
     loss_fn: Callable[..., Any],
     model: nn.Module,

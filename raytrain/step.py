@@ -31,6 +31,7 @@ from raytrain.parallel.apply import (
     micro_step,
     tied_gradients,
 )
+from raytrain.parallel.idle import fill_missing_grads, zero_grads
 from raytrain.parallel.pipeline import check_losses, pipeline_step, widen
 from raytrain.parallel.sequence import sum_sequence_gradients
 
@@ -109,7 +110,7 @@ class Step:
         self._current: Batch | None = None  # the micro-batch handed out and not yet backpropagated
         self._walked = False
         self.result: StepResult | None = None
-        optimizer.zero_grad(set_to_none=True)
+        zero_grads(model, optimizer)
 
     @property
     def micro_batch_count(self) -> int:
@@ -221,14 +222,31 @@ class Step:
             tied_gradients(model, policy)
         if policy.sequence_group is not None:
             sum_sequence_gradients(model, policy.sequence_group)
+        fill_missing_grads(model.parameters())  # a parameter no sample used: a zero gradient at every W
         fault_point("optimizer")
         if scaler is not None:
             scaler.unscale_(optimizer)
         local = self._local_sum if policy.counts_loss else 0.0
-        if self._agree is None:
+        maxed = self._agree() if self._agree is not None else []
+        if policy.unit_calls is not None:  # every rank must have run the same FSDP units: max == min
+            signature = policy.unit_calls.signature()
+            maxed = [*maxed, signature, -signature]
+        if not maxed:
             loss_sum = all_reduce_sum(local)
         else:
-            loss_sum, self.agreed = all_reduce_sum_and_max(local, self._agree())
+            loss_sum, agreed = all_reduce_sum_and_max(local, maxed)
+            if policy.unit_calls is not None:
+                most, least = agreed[-2], -agreed[-1]
+                agreed = agreed[:-2]
+                if most != least:
+                    raise RuntimeError(
+                        "the ranks ran different FSDP units in this step (a module called on some ranks only, such "
+                        "as an expert or a branch, is an FSDP unit): their all-gathers paired with each other's, so "
+                        "the update is not applied; pass units_fn without that module (raytrain's driver leaves out "
+                        "the ones its sample forwards find)"
+                    )
+            if self._agree is not None:
+                self.agreed = agreed
         if self.replication is not None:
             loss_sum = self.replication.reduce(replicated_gradients(model), loss_sum)
         norm = global_grad_norm(policy.norm_parameters(model) if policy.stage_ties else model.parameters())
@@ -237,7 +255,7 @@ class Step:
         finite = math.isfinite(loss_sum) and (scaler is not None or bool(torch.isfinite(norm)))
         committed = self.replication is None or self.replication.commit()
         if not finite or not committed:
-            optimizer.zero_grad(set_to_none=True)
+            zero_grads(model, optimizer)
             self.result = StepResult(loss_sum, float(norm), stepped=False, committed=committed)
             return self.result
         if self.max_grad_norm is not None:

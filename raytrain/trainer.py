@@ -552,6 +552,7 @@ class ElasticTrainer:
                 )
         self.storage_filesystem = storage_filesystem
         self.meta_init = False  # decided by check_user_functions
+        self.conditional_modules: tuple[str, ...] = ()  # found by find_conditional_modules
         if init_from is not None and (not isinstance(init_from, str) or not init_from):
             raise ConfigError(f"init_from must be a path or URI (a string), got {init_from!r}")
         from raytrain.pretrained import MISSING_CHOICES, UNEXPECTED_CHOICES
@@ -669,6 +670,22 @@ class ElasticTrainer:
 
             say(check_pipeline(self.model_fn, self.loss_fn, sample, pp, cpu_model, self.spec.parallel.chunks))
 
+    def find_conditional_modules(self, sample: dict[str, Any]) -> None:
+        """Find the modules the model calls on some inputs only (an expert, a branch) with a few forwards on
+        `sample` (real training rows) and say so: the workers never make them FSDP units
+        (`raytrain.parallel.idle`). Call after `check_loss_fn`."""
+        from raytrain.parallel.idle import describe_conditional
+        from raytrain.preflight import build_model_for_check, find_conditional_modules
+
+        def cpu_model() -> nn.Module:
+            torch.manual_seed(self.spec.loop.seed)
+            return self.model_fn()
+
+        found = find_conditional_modules(self.loss_fn, build_model_for_check(self.model_fn), sample, cpu_model)
+        self.conditional_modules = tuple(found or ())
+        if found:
+            say(describe_conditional(found))
+
     def _job(self, run_dir: str, *, num_rows: int | None = None, **data: Any) -> WorkerJob:
         """The `WorkerJob` every worker receives; checks `lr_schedule_fn` over the run's length first."""
         from raytrain.data.materialized import run_total_steps
@@ -701,6 +718,7 @@ class ElasticTrainer:
             tp_plan_fn=self.tp_plan_fn,
             trackers=self.trackers,
             meta_init=self.meta_init,
+            conditional_modules=self.conditional_modules,
             pretrained=self.pretrained,
             **data,
         )
@@ -759,6 +777,7 @@ class ElasticTrainer:
             head = data.head(1000)
             check_numeric_columns(head, self.required_columns)
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
+            self.find_conditional_modules({name: column[:4] for name, column in head.items()})
             if isinstance(data, ParquetIndex):
                 replicas = spec.cluster.max_workers // spec.parallel.replica
                 for line in describe_reads(data, train.partitions, spec.batch.global_batch, replicas):
@@ -774,6 +793,7 @@ class ElasticTrainer:
             if ids is not None and ids.dtype.kind not in "iu":
                 raise ConfigError(f"id_column {spec.loop.id_column!r} must hold integers, got dtype {ids.dtype}")
             self.check_loss_fn({name: column[:2] for name, column in head.items()})
+            self.find_conditional_modules({name: column[:4] for name, column in head.items()})
             job = self._job(run_dir, val_data=val, empty_batch={name: column[:0] for name, column in head.items()})
             trainer_datasets["train"] = train
         return replace(job, resume_from=resume_from), trainer_datasets

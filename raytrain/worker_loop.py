@@ -38,6 +38,7 @@ from raytrain.failures import mark, out_of_memory
 from raytrain.faults import fault_point
 from raytrain.lr_rules import ScheduleClock, describe_lr_on_resume, describe_schedule_on_resume
 from raytrain.model_init import InitTrace, record_build, refuse_lazy
+from raytrain.model_record import model_record
 from raytrain.model_tensors import tie_aliases
 from raytrain.optim import OptimizerFactory, build_optimizer, lr_ratios, set_lr
 from raytrain.parallel.apply import SYNC_LAST_MICRO_STEP, StepPolicy, UnitsFn, apply_parallelism, step_policy
@@ -81,6 +82,7 @@ class WorkerJob:
     val_data: IndexedData | None = None
     empty_batch: dict[str, np.ndarray] | None = None  # streaming mode: zero-row columns
     resume_from: str | None = None  # a newer checkpoint than Ray Train's latest: the newest live one
+    conditional_modules: tuple[str, ...] = ()  # called on some forwards only: never FSDP units (`parallel.idle`)
 
 
 @torch.no_grad()
@@ -160,6 +162,7 @@ class Run:
     user_metrics: dict[str, Any] = field(default_factory=dict)  # added to the current step's line (`Session.report`)
     checkpoint_stall_s: float = 0.0  # the training thread's time in checkpoints since the last metrics line
     agreement: AgreementClock = field(default_factory=AgreementClock)  # when the ranks next agree (`_agreement`)
+    model_record: dict[str, Any] = field(default_factory=dict)  # in every checkpoint (`raytrain.model_record`)
 
     @property
     def spec(self) -> TrainSpec:
@@ -372,6 +375,7 @@ def start_run(job: WorkerJob) -> Run:
     resuming = ray.train.get_checkpoint() is not None
     pretrained = job.pretrained if not resuming else None  # a checkpoint replaces the weights anyway
     model, trace = build_model(job)
+    record = model_record(model) if rank == 0 else {}  # only rank 0 writes the train state
     parallel = spec.parallel
     # of the whole model, before the stage is cut
     ties = stage_ties(model, dims.pp, parallel.chunks) if dims.pp > 1 else []
@@ -390,6 +394,7 @@ def start_run(job: WorkerJob) -> Run:
         stages=dims.pp,
         chunks=parallel.chunks,
         units_fn=job.units_fn,
+        conditional=job.conditional_modules,
     )
     if layout.reason:
         log.print(layout.reason)
@@ -411,6 +416,7 @@ def start_run(job: WorkerJob) -> Run:
         activation_checkpointing=parallel.activation_checkpointing,
         compile_blocks=parallel.compile,
         units_fn=job.units_fn,
+        conditional=job.conditional_modules,
         log=log.print,
     )
     policy = step_policy(
@@ -424,6 +430,7 @@ def start_run(job: WorkerJob) -> Run:
         parallel.pp_schedule,
         parallel.chunks,
         parallel.sequence_parallel,
+        model=model,
     )
     scaler = torch.amp.GradScaler(device.type) if parallel.precision == "fp16" else None
     built_lr = spec.lr.peak_lr(global_batch)
@@ -493,6 +500,7 @@ def start_run(job: WorkerJob) -> Run:
         clock=clock,
         saves=checkpoint_group() if spec.checkpoint.background_save else None,
         restored_from=restored_from,
+        model_record=record,
     )
     log.total_steps = run.total_steps
     phases = {"model": built - began, "restore": loaded - built, "data": time.perf_counter() - loaded}
@@ -865,6 +873,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
         spec.to_dict(),
     )
     state.base_batch, state.peak_lr, state.schedule = run.base_batch, run.peak_lr, run.clock.to_dict()
+    state.model = run.model_record
     state.data_order = run.source.order_params(state.epoch) if isinstance(run.source, ParquetSteps) else {}
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     _report_pending(run)

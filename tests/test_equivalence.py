@@ -7,6 +7,9 @@ parameters must equal a plain single-process reference (mean loss over the B sam
 step (`split_step`, normalised by its true size) is covered at W=3, including one with fewer samples than ranks.
 Also at every W and strategy: gradient clipping on the global norm (`max_grad_norm`, small enough to clip every
 step), and AdamW with parameter groups (their own weight decay and LR ratio) under a decaying per-step LR.
+Models whose parameters sit out steps (`raytrain.parallel.idle`): a top-1 mixture of experts whose experts go idle
+per rank and step, and a branch some samples take, under AdamW with weight decay at every strategy and W, against
+the reference with the zero-gradient convention (an unused parameter's gradient is zero, not None).
 With dropout, each micro-batch draws from a stream seeded by its place in the step's global layout
 (`raytrain.rng.MicroBatchSeeds`, as the worker loop seeds it): W = 2 equals W = 1 to 1e-6 when the micro-batch cuts
 are the same at both, and W = 3, whose cuts differ, does not (the documented line).
@@ -46,7 +49,8 @@ GLOBAL_BATCH = {1: 12, 2: 13, 3: 10}
 STEPS = 3
 NUM_ROWS = 64
 TOLERANCE = 1e-6
-LR = {"sgd": 0.1, "adam": 0.01, "adamw_groups": 0.01}
+LR = {"sgd": 0.1, "adam": 0.01, "adamw_groups": 0.01, "adamw": 0.01}
+IDLE_MODELS = ("moe", "branch")  # user_models.TopOneMoE, user_models.SometimesBranch
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Case:
     grad_accumulation: str = "unsharded"
     checkpointing: bool = False
     precision: str = "fp32"  # "bf16": a float32 model under bf16 compute, against the fp32 run
+    model: str = "mlp"  # or one of IDLE_MODELS
 
     @property
     def name(self) -> str:
@@ -78,6 +83,7 @@ class Case:
         extra += f"-blocks-{self.grad_accumulation}" if self.blocks else ""
         extra += "-ac" if self.checkpointing else ""
         extra += f"-{self.precision}" if self.precision != "fp32" else ""
+        extra += f"-{self.model}" if self.model != "mlp" else ""
         return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{extra}"
 
     @property
@@ -138,9 +144,16 @@ def _block_cases(strategy: str, world: int) -> list[Case]:
     return cases
 
 
+def _idle_case(strategy: str, world: int, model: str) -> Case:
+    """Four steps of AdamW with weight decay (where an idle parameter's zero gradient still moves it) at k = 2."""
+    batch = GLOBAL_BATCH[world]
+    return Case(strategy, world, 2, _cap_for(batch, world, 2), (batch,) * 4, "adamw", model=model)
+
+
 def _cases_for_world(world: int) -> list[Case]:
     cases = []
     for strategy in STRATEGIES:
+        cases += [_idle_case(strategy, world, model) for model in IDLE_MODELS]
         cases += [_full_case(strategy, world, k) for k in ACCUMULATIONS]
         cases.append(_full_case(strategy, world, 2, optimizer="adam"))
         cases += [_clip_case(strategy, world), _groups_case(strategy, world)]
@@ -197,6 +210,10 @@ def _build_model(case: Case | None = None, *, on_meta: bool = False) -> nn.Modul
             materialize(built.model, "cpu", built.trace, seed=0)
         return built.model
     torch.manual_seed(0)
+    if case is not None and case.model != "mlp":
+        from user_models import SometimesBranch, TopOneMoE
+
+        return {"moe": TopOneMoE, "branch": SometimesBranch}[case.model]().double()
     if case is not None and case.dropout:
         return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1)).double()
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1)).double()
@@ -236,6 +253,8 @@ def _optimizer_fn(name: str):
         return functools.partial(torch.optim.SGD, momentum=0.9)
     if name == "adamw_groups":
         return _adamw_groups
+    if name == "adamw":
+        return functools.partial(torch.optim.AdamW, weight_decay=0.1)
     return torch.optim.Adam
 
 
@@ -250,10 +269,14 @@ def _step_plan(case: Case, size: int) -> BatchPlan:
     return split_step(size, case.cap, case.world)
 
 
+IDLE_IN_REFERENCE: dict[str, list[list[str]]] = {}  # model -> per step, the parameters no sample used
+
+
 @functools.cache
 def _reference(case: Case) -> dict[str, torch.Tensor]:
-    """Plain torch in one process: per optimizer step the mean loss over the step's samples, one backward, clipping
-    with torch's own `clip_grad_norm_`, each group's LR set by hand, one step."""
+    """Plain torch in one process: per optimizer step the mean loss over the step's samples, one backward, a zero
+    gradient for a parameter no sample used (raytrain's convention; torch would leave None), clipping with torch's
+    own `clip_grad_norm_`, each group's LR set by hand, one step."""
     columns = {k: v.astype(np.float32) if case.dtype == torch.float32 else v for k, v in _columns().items()}
     model = _build_model(case)
     lr = LR[case.optimizer]
@@ -265,6 +288,11 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
         x, y = torch.from_numpy(columns["x"][positions]), torch.from_numpy(columns["y"][positions])
         opt.zero_grad(set_to_none=True)
         ((model(x).squeeze(-1) - y) ** 2).mean().backward()
+        idle = [name for name, p in model.named_parameters() if p.grad is None]
+        IDLE_IN_REFERENCE.setdefault(case.model, []).append(idle)
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if case.max_grad_norm:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm)
             assert norm > case.max_grad_norm, f"step {step}: norm {norm} does not clip; lower MAX_GRAD_NORM"
@@ -330,6 +358,13 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
 
     device = torch.device("cpu")
     built = record_build(functools.partial(_block_model, case.dtype)) if case.blocks else None
+    conditional: list[str] = []
+    if case.model != "mlp":  # what the driver's probe finds: a few forwards on sample rows, one by one and together
+        from raytrain.parallel.idle import conditional_modules
+
+        rows = {k: torch.from_numpy(v[:4]) for k, v in columns.items()}
+        probes = [rows, *({k: v[i : i + 1] for k, v in rows.items()} for i in range(4))]
+        conditional = conditional_modules(_build_model(case), _loss_fn, probes)
     model = apply_parallelism(
         built.model if built is not None else _build_model(case),
         case.strategy,
@@ -339,8 +374,9 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
         seed=0,
         precision=case.precision,
         activation_checkpointing=case.checkpointing,
+        conditional=conditional,
     )
-    policy = step_policy(case.strategy, case.world, case.precision, case.grad_accumulation)
+    policy = step_policy(case.strategy, case.world, case.precision, case.grad_accumulation, model=model)
     # fp16: dynamic loss scaling, started low enough that no step of this tiny model overflows (none is skipped)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if case.precision == "fp16" else None
     if case.dtype == torch.float32:
@@ -365,8 +401,48 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
     return {name: tensor.detach().clone() for name, tensor in state.items()}
 
 
+class TwoExperts(nn.Module):
+    """Two experts of one shape, each rank's rows all routed to its own one: made FSDP units by a `units_fn`, their
+    all-gathers pair across ranks without a size mismatch, the silent case `UnitCalls` exists for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from user_models import Expert
+
+        self.experts = nn.ModuleList(Expert(5, 8) for _ in range(2))
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.experts[int(x[0, 0] > 0)](x)).squeeze(-1)
+
+
+def _units_called_apart(rank: int, world: int) -> str:
+    """The error a zero3 step raises when the ranks ran different FSDP units."""
+    torch.manual_seed(0)
+    model = apply_parallelism(TwoExperts(), "zero3", torch.device("cpu"), world, units_fn=lambda m: list(m.experts))
+    policy = step_policy("zero3", world, "fp32", "unsharded", model=model)
+    x = torch.randn(3, 5).abs() * (1 if rank == 0 else -1)
+    try:
+        train_step(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            _loss_fn,
+            [{"x": x, "y": torch.zeros(3)}],
+            world,
+            6,
+            None,
+            policy,
+        )
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
 def _world_main(rank: int, world: int) -> dict[str, dict[str, object]]:
     results: dict[str, dict[str, object]] = {}
+    if world == 2:
+        results["units-called-apart"] = {"params": None, "error": _units_called_apart(rank, world)}
+        dist.barrier()
     columns = _columns()
     for case in _cases_for_world(world):
         try:
@@ -537,3 +613,43 @@ def test_dropout_follows_the_micro_batches_not_the_world_size(world_results) -> 
     print(f"dropout: W=2 vs W=1 {same:.3e}, W=3 vs W=1 {other:.3e}")
     assert same < TOLERANCE, same
     assert other > 1e-4, other
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"W{w}" for w in WORLDS])
+@pytest.mark.parametrize("model", IDLE_MODELS)
+def test_parameters_that_sit_out_a_step_train_like_w1(world_results, model: str, strategy: str, world: int) -> None:
+    """A mixture of experts (top-1: experts idle per rank and step) and a branch some samples take train at every
+    strategy and W exactly like one process on the whole batch, with no setting: DDP's buckets are completed for
+    the parameters a rank's backward did not reach, FSDP reduce-scatters zeros for them and never makes a module
+    called on some forwards only a unit. The reference has idle parameters in whole steps (so the zero-gradient
+    convention matters under AdamW's weight decay)."""
+    case = _idle_case(strategy, world, model)
+    _check(world_results, case)
+    assert any(IDLE_IN_REFERENCE[model]), f"{model}: no parameter was idle in a whole step; the case tests nothing"
+
+
+def test_ranks_that_ran_different_fsdp_units_stop_before_the_update(world_results) -> None:
+    """Units a units_fn made of modules some ranks skip: their all-gathers pair silently when the shapes agree;
+    the step compares the units' call counts over the ranks and refuses the update on every rank."""
+    for rank in world_results(2):
+        message = rank["units-called-apart"]["error"]
+        assert message.startswith("the ranks ran different FSDP units in this step"), message
+
+
+def test_the_probe_finds_the_modules_called_on_some_forwards_only() -> None:
+    """The driver's probe (`conditional_modules`): the experts and the branch, not the modules every forward runs."""
+    from user_models import NanoGPT, SometimesBranch, TopOneMoE
+
+    from raytrain.parallel.idle import conditional_modules
+
+    columns = {k: torch.from_numpy(v[:4]) for k, v in _columns().items()}
+    probes = [columns, *({k: v[i : i + 1] for k, v in columns.items()} for i in range(4))]
+    assert conditional_modules(TopOneMoE().double(), _loss_fn, probes) == [f"experts.{i}" for i in range(4)]
+    assert conditional_modules(SometimesBranch().double(), _loss_fn, probes) == ["extra"]
+    tokens = torch.randint(0, 32, (4, 8))
+
+    def lm(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["x"])
+
+    assert conditional_modules(NanoGPT(), lm, [{"x": tokens}, *({"x": tokens[i : i + 1]} for i in range(4))]) == []

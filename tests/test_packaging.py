@@ -55,8 +55,9 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
 
 
 def test_the_top_level_names_the_docs_use_import_and_import_raytrain_stays_light() -> None:
-    """`raytrain.ParquetSource` and `raytrain.attach`, as README, docstrings and error messages write them, are
-    the real classes; `import raytrain` alone loads neither torch nor Ray (a CLI start or a config check pays for
+    """`raytrain.ParquetSource`, `raytrain.attach`, `raytrain.export` and `raytrain.load_model`, as README,
+    docstrings and error messages write them, are the real ones; `import raytrain` alone loads neither torch nor
+    Ray (a CLI start or a config check pays for
     them only when it needs them)."""
     import subprocess
 
@@ -68,7 +69,10 @@ def test_the_top_level_names_the_docs_use_import_and_import_raytrain_stays_light
         "from raytrain.data.parquet import ParquetSource as Source\n"
         "from raytrain.session import attach as attach_fn\n"
         "assert ParquetSource is Source and attach is attach_fn\n"
-        "assert sorted(raytrain.__all__) == ['ParquetSource', 'attach']\n"
+        "assert sorted(raytrain.__all__) == ['ParquetSource', 'attach', 'export', 'load_model']\n"
+        "from raytrain import export, load_model\n"
+        "import raytrain.model_export as module\n"
+        "assert export is module.export and load_model is module.load_model\n"
         "try:\n"
         "    raytrain.Nope\n"
         "except AttributeError as err:\n"

@@ -279,3 +279,54 @@ class InitPatterns(nn.Module):
         h = x * self._scale * self.masks[0] + self.masks[1] + self.constants["shift"] + self.pair[0]
         h = h + self.fixed_noise + self.patch.mean(0)
         return (self.online(h) - self.target(h).detach()).squeeze(-1) + self.sorted_values[0, 0]
+
+
+class Expert(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, hidden), nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class TopOneMoE(nn.Module):
+    """A mixture of experts with top-1 routing as transformers' Mixtral loop writes it: each expert runs on the
+    rows routed to it and is not called when none is, so experts sit out steps per rank (and, with a router
+    biased away from the last expert, globally). Features [n, width] -> [n]."""
+
+    def __init__(self, width: int = 5, experts: int = 4, hidden: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(experts))
+        self.head = nn.Linear(width, 1)
+        with torch.no_grad():
+            self.router.bias[-1] -= 2.0  # the last expert is rarely chosen: idle in whole steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.router(x).softmax(dim=-1)
+        choice = weights.argmax(dim=-1)
+        out = x
+        for index, expert in enumerate(self.experts):
+            rows = (choice == index).nonzero().squeeze(-1)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, index : index + 1])
+        return self.head(out).squeeze(-1)
+
+
+class SometimesBranch(nn.Module):
+    """A branch some samples take (those whose first feature is above 1.5): called only for a micro-batch that holds
+    one, so it sits out whole steps on some ranks and some steps everywhere. Features [n, width] -> [n]."""
+
+    def __init__(self, width: int = 5) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.extra = nn.Sequential(nn.Linear(width, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.trunk(x).squeeze(-1)
+        rows = (x[:, 0] > 1.5).nonzero().squeeze(-1)
+        if rows.numel():
+            out = out.index_add(0, rows, self.extra(x[rows]).squeeze(-1))
+        return out

@@ -651,6 +651,8 @@ def _resume_hint(args: argparse.Namespace) -> str:
 
     from raytrain.storage import RunStorage
 
+    if args.command == "export":
+        return f"{args.out_dir} may hold part of the files: run the export again with --overwrite"
     run_dir = getattr(args, "run_dir", None)
     fit_storage = getattr(args, "storage_at", None)  # `raytrain fit`: its checkpoints may be on object storage
     storage = fit_storage or (RunStorage(pafs.LocalFileSystem(), run_dir, run_dir) if run_dir else None)  # demo
@@ -693,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(subparsers)
     _add_demo_parser(subparsers)
     _add_fit_parser(subparsers)
+    from raytrain.cli.export_cmd import add_export_parser
+
+    add_export_parser(subparsers)
     return parser
 
 

@@ -28,6 +28,7 @@ from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
 from raytrain.live.replica import LiveShare
+from raytrain.model_record import model_record
 from raytrain.optim import lr_ratios, set_lr
 from raytrain.parallel.dims import ParallelDims
 from raytrain.rng import MicroBatchSeeds
@@ -157,6 +158,7 @@ class LiveWorker:
         mesh = dims.build_mesh(cpu.type) if dims.model_parallel else None
         self._dp_group = mesh["dp"].get_group() if mesh is not None else None
         model, trace = build_model(job)
+        self.model_record = model_record(model)  # in every checkpoint this group writes (the export reads it)
         strategy = spec.loop.strategy if dims.dp > 1 else "ddp"  # one data rank per group holds the whole model
         parallel = spec.parallel
         least = split_step(self.global_batch, spec.batch.micro_batch, max(1, spec.cluster.min_workers // settings.tp))
@@ -169,6 +171,7 @@ class LiveWorker:
             precision=parallel.precision,
             device=cpu,
             units_fn=job.units_fn,
+            conditional=job.conditional_modules,
         )
         if layout.reason:
             self._note(layout.reason)
@@ -188,6 +191,7 @@ class LiveWorker:
             activation_checkpointing=parallel.activation_checkpointing,
             compile_blocks=parallel.compile,
             units_fn=job.units_fn,
+            conditional=job.conditional_modules,
             log=self._note,
         )
         self.policy = step_policy(
@@ -198,6 +202,7 @@ class LiveWorker:
             mesh,
             coords,
             sequence_parallel=parallel.sequence_parallel,
+            model=self.model,
         )
         self.optimizer = build_optimizer(
             self.model, job.optimizer_fn, spec.lr.peak_lr(self.global_batch), layout.strategy
@@ -415,6 +420,7 @@ class LiveWorker:
                     "peak_lr": self.peak_lr,
                     "schedule": self.clock.to_dict(),
                     "plan": share.plan.to_dict(),
+                    "model": self.model_record,
                 }
                 self.log.checkpoint.remote(self.settings.group, pack_state(state), train_state)
             fault_point("report")

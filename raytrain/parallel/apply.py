@@ -47,6 +47,7 @@ from raytrain.errors import ConfigError
 from raytrain.model_init import InitTrace, materialize
 from raytrain.model_tensors import tie_aliases, tie_groups
 from raytrain.parallel.dims import Coords, ParallelDims
+from raytrain.parallel.idle import UnitCalls, ddp_sync, fill_missing_grads
 from raytrain.parallel.pipeline import KeptBlocks, Neighbours, PipelineStats, StageTie, keep_stage
 from raytrain.parallel.sequence import apply_sequence_parallel, sequence_blocks
 from raytrain.parallel.tensor import TPPlan, apply_tensor_parallel, resolve_plan
@@ -75,6 +76,8 @@ class StepPolicy:
     pipeline_stats: where a pipeline stage adds its waits and step times (`PipelineStats`; benchmarks), or None.
     sequence_group: with sequence parallel, the tp process group over which the gradients of the parameters it
         left whole inside the blocks are summed (`raytrain.parallel.sequence.sum_sequence_gradients`), else None.
+    unit_calls: the FSDP units' call counts, compared over the ranks at every step (`raytrain.parallel.idle`), or
+        None.
     """
 
     reduce_every_micro_step: bool = False
@@ -88,6 +91,7 @@ class StepPolicy:
     stage_ties: tuple[tuple[str, Any, bool], ...] = ()
     pipeline_stats: PipelineStats | None = None
     sequence_group: Any = None
+    unit_calls: UnitCalls | None = None
 
     def norm_parameters(self, model: nn.Module) -> list[torch.Tensor]:
         """The parameters this rank counts in the global gradient norm: all but the copies of a tie held by an
@@ -130,14 +134,25 @@ def has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def fsdp_units(model: nn.Module, units_fn: UnitsFn | None = None) -> tuple[list[nn.Module], str]:
+def fsdp_units(
+    model: nn.Module, units_fn: UnitsFn | None = None, conditional: Sequence[str] = ()
+) -> tuple[list[nn.Module], str]:
     """The modules to shard as FSDP units before the root, and a one-line reason for the log.
 
     A tied parameter (one parameter under several names) must be managed by one unit: a default unit holding a
     name of a tie whose other names lie outside it is left to the root (and the reason says so); units from
-    `units_fn` that split a tie raise `ConfigError` naming the parameter and the units."""
+    `units_fn` that split a tie raise `ConfigError` naming the parameter and the units. `conditional` names the
+    modules called on some forwards only (`raytrain.parallel.idle.conditional_modules`): a default unit that is
+    one or lies inside one is left to its parent, a `units_fn` unit that is one is refused."""
+    inside = _inside(conditional)
     if units_fn is not None:
         units = list(units_fn(model))
+        called_sometimes = [name for name, _ in _named_units(model, units) if inside(name)]
+        if called_sometimes:
+            raise ConfigError(
+                f"units_fn makes {called_sometimes[0]!r} an FSDP unit, but the model calls it on some forwards only: "
+                "its all-gather needs every rank; leave it to its parent unit"
+            )
         split = split_ties(model, units)
         if split:
             names, unit_names = split[0]
@@ -147,13 +162,19 @@ def fsdp_units(model: nn.Module, units_fn: UnitsFn | None = None) -> tuple[list[
                 "the root takes it)"
             )
         return units, f"{len(units)} units from units_fn"
-    blocks = repeated_blocks(model)
+    blocks = [(name, block) for name, block in repeated_blocks(model) if not inside(name)]
     if blocks:
         kind = type(blocks[0][1]).__name__
         units, why = [module for _, module in blocks], f"{len(blocks)} repeated blocks ({kind}) + root"
     else:
-        units = [child for child in model.children() if has_forward(child) and any(True for _ in child.parameters())]
+        units = [
+            child
+            for name, child in model.named_children()
+            if has_forward(child) and any(True for _ in child.parameters()) and not inside(name)
+        ]
         why = f"no repeated blocks: {len(units)} direct children with parameters + root"
+    if conditional:
+        why += f"; {len(conditional)} modules called on some forwards only left to their parents"
     split = split_ties(model, units)
     if split:
         dropped = {name for _, unit_names in split for name in unit_names}
@@ -161,6 +182,11 @@ def fsdp_units(model: nn.Module, units_fn: UnitsFn | None = None) -> tuple[list[
         left = ", ".join(sorted(dropped - {"<root>"}))
         why += f"; {left} left to the root (they share a tied parameter with other modules)"
     return units, why
+
+
+def _inside(conditional: Sequence[str]) -> Callable[[str], bool]:
+    """Whether a module name is one of `conditional` or lies inside one."""
+    return lambda name: any(name == outer or name.startswith(outer + ".") for outer in conditional)
 
 
 def _named_units(model: nn.Module, units: list[nn.Module]) -> list[tuple[str, nn.Module]]:
@@ -235,6 +261,7 @@ def apply_parallelism(
     activation_checkpointing: bool = False,
     compile_blocks: bool = False,
     units_fn: UnitsFn | None = None,
+    conditional: Sequence[str] = (),
     log: Callable[[str], None] | None = None,
 ) -> nn.Module:
     """Apply `strategy` on the dp axis, and tensor parallelism when `dims.tp` > 1, to `model` (built on the meta
@@ -250,7 +277,10 @@ def apply_parallelism(
     while initialising); a real model is moved to `device`. With `pretrained` weights
     (`raytrain.pretrained.Pretrained`) every tensor they hold is read from them instead, this rank's part only.
     Requires an initialised default process group when the world has more than one rank. Returns the module to
-    train. `log` receives one line per applied parallelism (tensor parallel, FSDP units).
+    train. `conditional`: the modules called on some forwards only, never FSDP units (`fsdp_units`). Parameters
+    that sit out a step train at every strategy (`raytrain.parallel.idle`): FSDP reduce-scatters zeros for them,
+    DDP's buckets are completed by `micro_step`. `log` receives one line per applied parallelism (tensor
+    parallel, FSDP units).
     """
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     if strategy not in ("ddp", "zero1", "zero2", "zero3"):
@@ -294,10 +324,13 @@ def apply_parallelism(
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         reshard = strategy == "zero3"
         dp_mesh = mesh["dp"] if dims.model_parallel else None
-        units, why = fsdp_units(model, units_fn)
+        units, why = fsdp_units(model, units_fn, conditional)
         for unit in units:
             fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
         fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        reduce_unused = getattr(model, "set_reduce_scatter_unused_params", None)  # torch 2.13 has it; older may not
+        if callable(reduce_unused):  # a parameter one rank left unused: a zero gradient, not a mismatched collective
+            reduce_unused(True)
         if log is not None:
             largest = max((sum(p.numel() for p in u.parameters()) for u in units), default=0)
             log(f"FSDP units: {why}; largest unit {largest:,} parameters")
@@ -313,7 +346,9 @@ def apply_parallelism(
             load_into(model, pretrained, aliases)
     if dims.dp > 1 and not dims.model_parallel and strategy in ("ddp", "zero1"):
         device_ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        # The gradients become views of DDP's buckets at the first sync and stay so (`idle.zero_grads` zeroes them
+        # in place): no second copy, 16 bytes per parameter with AdamW, not 20.
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
     return model
 
 
@@ -328,19 +363,27 @@ def step_policy(
     pp_schedule: str = "gpipe",
     pp_chunks: int = 1,
     sequence_parallel: bool = False,
+    model: nn.Module | None = None,
 ) -> StepPolicy:
     """The micro-step policy for a resolved layout (`grad_accumulation` already "unsharded" or "sharded");
     `mesh` is the layout's device mesh and `coords` this rank's place in it when `dims` is model-parallel; `ties`
     the parameters tied across its pipeline stages (`stage_ties` of the whole model; a collective when not empty:
     one process group per tie and replica, made by every rank in the same order); `pp_schedule` the pipeline's
     schedule (`raytrain.parallel.pipeline.SCHEDULES`) and `pp_chunks` the model chunks per stage it runs;
-    `sequence_parallel` as `apply_parallelism` was given it."""
+    `sequence_parallel` as `apply_parallelism` was given it. With the wrapped `model` of a data-parallel
+    zero2/zero3 layout the policy counts its FSDP units' calls (`StepPolicy.unit_calls`)."""
     dims = dims if isinstance(dims, ParallelDims) else ParallelDims.of(dims)
     sharded = dims.dp > 1 and strategy in ("zero2", "zero3")
+    unit_calls = None
+    if sharded and not dims.model_parallel and model is not None:  # stages differ in units: dp only
+        from torch.distributed.fsdp import FSDPModule
+
+        unit_calls = UnitCalls([m for m in model.modules() if isinstance(m, FSDPModule) and m is not model])
     policy = StepPolicy(
         reduce_every_micro_step=sharded and grad_accumulation == "sharded",
         keep_params_gathered=sharded and strategy == "zero2",
         autocast_dtype=None if sharded else DTYPES.get(precision),
+        unit_calls=unit_calls,
     )
     if not dims.model_parallel:
         return policy
@@ -402,22 +445,17 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group: Any, replica
     """Average the gradients over the data-parallel `group` of `replicas` ranks: one all-reduce per dtype over
     the flattened local gradients (a DTensor's local shard: its TP sharding is the same on every replica).
 
-    Replicas may leave different parameters without a gradient (a branch their samples did not take): a first,
-    small all-reduce finds the parameters with a gradient on any replica; those are averaged with zeros standing
-    in where a replica has none (as one process on the whole batch would see them), the others stay None. So
-    every replica reduces the same parameters in the same order."""
+    Replicas may leave different parameters without a gradient (a branch their samples did not take): those get
+    a zero one first (`raytrain.parallel.idle`'s convention), so every replica reduces the same parameters in the
+    same order."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     trainable = [p for p in parameters if p.requires_grad]
-    has_grad = torch.tensor([p.grad is not None for p in trainable], dtype=torch.uint8)
-    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+    fill_missing_grads(trainable)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p, anywhere in zip(trainable, has_grad.tolist(), strict=True):
-        if not anywhere:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
+    for p in trainable:
+        assert p.grad is not None
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         by_dtype.setdefault(local.dtype, []).append(local)
     for grads in by_dtype.values():
@@ -457,7 +495,7 @@ def micro_step(model: nn.Module, *, last: bool, policy: StepPolicy) -> Iterator[
     )
     if isinstance(model, nn.parallel.DistributedDataParallel):
         sync = last or policy.reduce_every_micro_step
-        with contextlib.nullcontext() if sync else model.no_sync(), autocast:
+        with ddp_sync(model) if sync else model.no_sync(), autocast:
             yield
         return
     set_sync = getattr(model, "set_requires_gradient_sync", None)

@@ -12,6 +12,7 @@ fit with the strategies raytrain implements.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +135,7 @@ def resolve_layout(
     units_fn: UnitsFn | None = None,
     stages: int = 1,
     chunks: int = 1,
+    conditional: Sequence[str] = (),
 ) -> Layout:
     """`choose_layout` for `model` (meta or real, whole) on this worker group; a collective when anything is
     "auto" (the smallest worker's memory decides, so every rank resolves the same layout). `world_size` is the dp
@@ -143,7 +145,7 @@ def resolve_layout(
     if strategy != "auto" and grad_accumulation != "auto":
         return Layout(strategy, grad_accumulation, "")
     memory = all_reduce_min(device_memory_bytes(device, local_workers))
-    units, _ = fsdp_units(model, units_fn)
+    units, _ = fsdp_units(model, units_fn, conditional)
     sizes = unit_params(model, units)
     num_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if stages > 1:  # the heaviest stage as the ranks cut it (frozen parameters included: an upper bound)
