@@ -14,8 +14,8 @@ model (blocks 0 and 2, 1 and 3 with `--pp 2 --layers 4`): it needs at least 2 x 
 
 With RAY_ADDRESS set it joins that cluster; otherwise it starts a local Ray instance. The run goes to
 <storage>/<run-name> (default ./raytrain_runs/char_lm); running the same command again resumes from the latest
-checkpoint there. At the end the driver loads the final checkpoint (torch.distributed.checkpoint format) into a
-fresh model and prints a greedy sample: after the default 100 steps (loss about 2.3) expect common letter
+checkpoint there. At the end the driver loads the final checkpoint into a fresh model (`raytrain.load_model`) and
+prints a greedy sample: after the default 100 steps (loss about 2.3) expect common letter
 patterns ("the the"); a few thousand steps give word-like lines.
 
 Reads top to bottom: cut the text into fixed-length windows with a sample id each, describe the model, the
@@ -28,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import warnings
 from functools import partial
 from typing import Any
 
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import raytrain
 from raytrain.config import (
     PP_SCHEDULES,
     STRATEGIES,
@@ -133,22 +133,6 @@ def adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
         (decay if is_matrix else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.99))
-
-
-# --- After training, on the driver ---------------------------------------------------------------------
-def load_trained_model(checkpoint_dir: str, model_fn: Any) -> nn.Module:
-    """A fresh model with the weights of a raytrain checkpoint. raytrain saves with torch.distributed.checkpoint
-    (DCP): the model's state dict under the key "model", without DDP/FSDP prefixes and resharded on load, so
-    a plain model loads it in one process, whatever strategy and world size wrote it."""
-    import torch.distributed.checkpoint as dcp
-
-    model = model_fn()
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": yes, one process on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=checkpoint_dir)  # fills the tensors in `state` in place
-    model.load_state_dict(state["model"])
-    return model.eval()
 
 
 @torch.no_grad()
@@ -251,8 +235,9 @@ def main() -> None:
             f"{last['step']} (uniform guess: ln {len(vocab)} = {math.log(len(vocab)):.4f})"
         )
     if args.sample and result.checkpoint is not None:
-        with result.checkpoint.as_directory() as directory:
-            model = load_trained_model(directory, model_fn)
+        # raytrain: the trained model in this process, whatever strategy, layout and world size wrote it (the two
+        # pipeline stages' tensors joined); `raytrain export` writes it as safetensors instead.
+        model = raytrain.load_model(result.storage_uri, model_fn)
         print("greedy sample:\n" + greedy_sample(model, vocab, "Shall I compare thee", args.sample, CONTEXT))
     ray.shutdown()
 

@@ -94,3 +94,19 @@ def test_train_char_lm_example(tmp_path: Path) -> None:
     # The driver loaded the final DCP checkpoint into a fresh model and sampled 20 characters after the prompt.
     sample = completed.stdout.split("greedy sample:\n", 1)[1].splitlines()[0]
     assert sample.startswith("Shall I compare thee") and len(sample) == len("Shall I compare thee") + 20
+
+
+def test_finetune_pretrained_example_trains_a_new_head_and_exports_it(tmp_path: Path) -> None:
+    """A classifier on a pretrained LM file at zero3 on 2 workers (the head the file lacks keeps its own init, one
+    line), then `raytrain.export` and transformers' `from_pretrained` on the export: its loss on the same windows
+    is raytrain's model's (`raytrain.load_model`) to the printed digit."""
+    completed = run_example("finetune_pretrained.py", tmp_path)
+    check_metrics(tmp_path / "finetune-gpt2" / "metrics.jsonl")
+    out = completed.stdout + completed.stderr
+    assert "init_from: 1 tensor not in the files keeps the model's own init: score.weight" in out
+    assert f"exported step {STEPS} (checkpoint_" in out
+    files = sorted(p.name for p in (tmp_path / "finetune-gpt2" / "exported").iterdir())
+    assert files == ["config.json", "model.safetensors"]
+    line = next(line for line in completed.stdout.splitlines() if line.startswith("exported model: loss "))
+    theirs, ours = line.split("loss ")[1].split()[0], line.split("raytrain's model: ")[1].split(")")[0]
+    assert theirs == ours, line

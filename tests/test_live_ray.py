@@ -99,6 +99,10 @@ def test_sharded_replica_groups_go_on_through_a_node_loss_a_drain_and_an_added_n
     assert layout == {"dp": 6, "dp_replicate": 3, "dp_shard": 2, "tp": 1, "pp": 1}
     log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
     assert "is being drained" in log and "ahead of its node's drain" in log and "FSDP units" in log
+    from raytrain.model_export import export  # a live checkpoint exports like any other (one format)
+
+    exported = export(summary["run_dir"], str(tmp_path / "exported"))
+    assert exported.step == steps and "live-checkpoint-" in exported.checkpoint
 
 
 def test_losing_every_replica_falls_back_to_a_restart_from_the_newest_checkpoint(

@@ -130,6 +130,13 @@ def test_own_loop_takes_a_ray_dataset_and_parquet_files(
     assert sorted(ids_by_epoch(tmp_path / "runs" / kind / "samples.jsonl")[0]) == list(range(600))
     if kind == "ray_dataset":
         np.testing.assert_allclose([m["loss"] for m in metrics], framework_losses[:19], rtol=0, atol=1e-4)
+    else:  # the run exports and loads by its directory alone, as ElasticTrainer's runs do (the record is rank 0's)
+        from raytrain.model_export import export, load_model
+
+        exported = export(str(tmp_path / "runs" / kind), str(tmp_path / "exported"))
+        assert exported.step == 19 and exported.files == ["model.safetensors"]
+        loaded = load_model(str(tmp_path / "runs" / kind), own_loop.Net)
+        assert sum(p.numel() for p in loaded.parameters()) == exported.nbytes // 4
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -65,10 +66,18 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
 
 @pytest.mark.parametrize("data", ["parquet", "ray"])
 def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, tmp_path: Path, data: str) -> None:
-    """Plain W = 1 against a block model built on meta, zero3 with one FSDP unit per block, activation
-    checkpointing and sharded accumulation at W = 3, on Parquet files read in place or a Ray dataset: the same
-    initial weights (meta init from the seed and module names), the same samples per step, the same loss curve."""
-    options = {"model_fn": block_mlp_factory(8, 16, 3), "lr": LRConfig(base_lr=0.05), "steps": 6, "data": data}
+    """Plain W = 1 against zero3 with activation checkpointing and sharded accumulation at W = 3, on Parquet files
+    read in place (a block model built on meta, one FSDP unit per block) or a Ray dataset (a top-1 mixture of
+    experts whose experts sit out steps per rank: the driver's probe keeps them out of the FSDP units and says so):
+    the same initial weights, the same samples per step, the same loss curve."""
+    import sys
+
+    import ray.cloudpickle
+    from user_models import TopOneMoE
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules["user_models"])
+    model_fn = block_mlp_factory(8, 16, 3) if data == "parquet" else functools.partial(TopOneMoE, 8)
+    options = {"model_fn": model_fn, "lr": LRConfig(base_lr=0.05), "steps": 6, "data": data}
     parallel = ParallelConfig(activation_checkpointing=True, grad_accumulation="sharded")
     one = read_jsonl(make_trainer(tmp_path, "w1", workers=1, **options).fit().metrics_path)  # type: ignore[arg-type]
     three = make_trainer(tmp_path, "w3", workers=3, strategy="zero3", parallel=parallel, **options)  # type: ignore[arg-type]
@@ -76,6 +85,9 @@ def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, 
     assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in lines]
     for a, b in zip(one, lines, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    if data == "ray":
+        log = (tmp_path / "w3" / LOG_FILE).read_text()
+        assert "FSDP units: no repeated blocks: 2 direct children with parameters + root; 4 modules not called " in log
     if data == "parquet":  # rank 0's data threads' CPU since the run began, on every line
         cpu = [m["data_cpu_s"] for m in lines]
         assert cpu[0] > 0 and cpu == sorted(cpu), cpu

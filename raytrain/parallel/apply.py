@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain.console import counted
 from raytrain.errors import ConfigError
 from raytrain.model_init import InitTrace, materialize
 from raytrain.model_tensors import tie_aliases, tie_groups
@@ -174,7 +175,7 @@ def fsdp_units(
         ]
         why = f"no repeated blocks: {len(units)} direct children with parameters + root"
     if conditional:
-        why += f"; {len(conditional)} modules called on some forwards only left to their parents"
+        why += f"; {counted(len(conditional), 'module')} not called alike on every forward left to the parents"
     split = split_ties(model, units)
     if split:
         dropped = {name for _, unit_names in split for name in unit_names}
