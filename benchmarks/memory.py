@@ -37,11 +37,16 @@ units) and the accumulated gradients. Printed last, as one JSON line:
                           imported: a fixed ~30 MB, not the load's) to after it is loaded, divided by
                           the model's bytes (goal <= 0.5; a rank's shard is 0.25); `_full_build` loads the same file
                           into a model built whole on every rank first (>= 1 by construction of that path)
+    export_peak_fraction  `raytrain.export` of a zero3 W = 2 checkpoint of a model of 24 tensors (12 Linear layers,
+                          2048 wide: 201 MB; each weight a chunk per rank): the resident-memory growth (high-water
+                          mark) of the exporting process ÷ the model's bytes (goal <= 0.25; one weight is 0.083 of
+                          the model: the export holds about one chunk of it at a time, read and decoded)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any
 
@@ -257,6 +262,56 @@ def measure_pretrained_load(world: int, quick: bool) -> dict[str, float]:
     return results
 
 
+def save_rank(rank: int, world: int, width: int, layers: int) -> str:
+    """This rank's directory of a zero3 checkpoint of the load model, with the record an export reads."""
+    from raytrain.checkpoint import TrainState, save_checkpoint
+    from raytrain.data.id_ranges import IdRanges
+    from raytrain.model_record import model_record
+
+    torch.manual_seed(0)
+    model = load_model(width, layers)
+    record = model_record(model)
+    model = apply_parallelism(model, "zero3", torch.device("cpu"), world, units_fn=list)
+    optimizer = build_optimizer(model, adamw, 1e-3, "zero3")
+    return save_checkpoint(model, optimizer, TrainState(step=1, model=record), rank, IdRanges())
+
+
+def export_rank(rank: int, world: int, run_dir: str, out_dir: str) -> dict[str, int]:
+    """The resident-memory growth of `raytrain.export` in a fresh process (imports done before the start mark)."""
+    from raytrain.model_export import CheckpointTensors, choose_checkpoint, export
+
+    chosen = choose_checkpoint(run_dir)
+    reader = CheckpointTensors(chosen.path, chosen.fs)
+    sizes = [math.prod(reader.shape(n)) * reader.dtype(n).itemsize for n in reader.names]
+    before = _rss_bytes()
+    assert _max_rss_bytes() <= before + 32 * 2**20, "the high-water mark is above the start: measure in a new process"
+    result = export(run_dir, out_dir)
+    return {"growth": _max_rss_bytes() - before, "model": result.nbytes, "largest": max(sizes), "tensors": len(sizes)}
+
+
+def measure_export(quick: bool) -> dict[str, float]:
+    """Checkpoint the load model at zero3 on 2 ranks, merge the ranks' files into a run directory as Ray Train
+    does, and export it in a fresh process."""
+    import os
+    import shutil
+    import tempfile
+
+    width, layers = (1024, 8) if quick else (LOAD_WIDTH, LOAD_LAYERS)
+    with tempfile.TemporaryDirectory(prefix="raytrain-bench-export-") as directory:
+        target = os.path.join(directory, "run", "checkpoint_2026-12-07_00-00-01")
+        os.makedirs(target)
+        for rank_dir in run_world(save_rank, 2, width, layers, preload=["torch", "raytrain"]):
+            for name in os.listdir(rank_dir):
+                shutil.move(os.path.join(rank_dir, name), os.path.join(target, name))
+        (result,) = run_world(export_rank, 1, os.path.join(directory, "run"), os.path.join(directory, "out"))
+    fraction = result["growth"] / result["model"]
+    print(
+        f"\nexport of a zero3 W=2 checkpoint ({result['model'] / 1e6:.0f} MB in {result['tensors']} tensors, the "
+        f"largest {result['largest'] / result['model']:.3f} of the model): RSS growth {fraction:.3f} of the model"
+    )
+    return {"fraction": fraction, "largest": result["largest"] / result["model"], "tensors": result["tensors"]}
+
+
 def model_shape(model_class: type[nn.Module]) -> tuple[int, int, int, int]:
     """(parameters, largest FSDP unit, root unit, largest single module's own parameters) of a model, from a
     meta-device build and the units raytrain would wrap."""
@@ -300,8 +355,8 @@ def main() -> None:
         f"stack: {num_params:,} parameters ({BLOCKS} blocks, largest FSDP unit {largest_unit:,}), the model the "
         f"planner was written against; torch-transformer: {transformer[0]:,} parameters (nn.TransformerEncoder, "
         f"{TRANSFORMER_LAYERS} layers of {transformer[1]:,}), out of sample. The planner counts model state only "
-        "(parameters, gradients, optimizer state, DDP buckets, FSDP's gathered units, autocast copies): activations "
-        "are excluded, and kept small here"
+        "(parameters, gradients as views of DDP's buckets, optimizer state, FSDP's gathered units, autocast copies): "
+        "activations are excluded, and kept small here"
     )
     print(machine_line())
     table_rows: list[list[Any]] = []
@@ -412,6 +467,7 @@ def main() -> None:
         + ("equal" if loss_ok else "DIFFERENT")
     )
     load = measure_pretrained_load(top if not args.quick else 2, args.quick)
+    exported = measure_export(args.quick)
     worst = {group: max(rows_of, key=lambda name: abs(rows_of[name])) for group, rows_of in errors.items()}
     in_sample, out_of_sample, bf16 = (
         ("stack", "fp32"),
@@ -438,6 +494,9 @@ def main() -> None:
             "pretrained_load_peak_fraction": round(load["sharded"], 4),
             "pretrained_load_read_fraction": round(load["read_fraction"], 4),
             "pretrained_load_peak_fraction_full_build": round(load["full"], 4),
+            "export_peak_fraction": round(exported["fraction"], 4),
+            "export_largest_tensor_fraction": round(exported["largest"], 4),
+            "export_tensors": exported["tensors"],
         }
     )
 

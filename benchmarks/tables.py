@@ -150,6 +150,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         ("<=", 0.5),
     ),
     ("memory", "pretrained_load_read_fraction", "pretrained load: bytes read per rank ÷ model, zero3 W = 4", None),
+    (
+        "memory",
+        "export_peak_fraction",
+        "export of a zero3 checkpoint (24 tensors): RSS growth ÷ model",
+        ("<=", 0.25),
+    ),
     ("recovery", "sigkill_back_s", "a worker SIGKILLed → past the old group's last step, s", None),
     ("recovery", "bare_sigkill_back_s", "bare Ray Train (all-reduce loop), the same end point, s", None),
     ("recovery", "bare_sigkill_s", "bare Ray Train: SIGKILL → first step of the new group, s", None),

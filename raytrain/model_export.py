@@ -15,8 +15,9 @@ What is written: `model.safetensors`, or `model-0000i-of-0000n.safetensors` shar
 bytes with `model.safetensors.index.json` (transformers' layout), under the model's own parameter and buffer
 names; a tied parameter once (the name `save_pretrained` keeps); for a transformers model its `config.json` and
 `generation_config.json` from the checkpoint's record (`raytrain.model_record`), so `AutoModel*.from_pretrained`
-loads the directory with no missing or unexpected keys. Tensors are read and written one at a time: the memory is
-about the largest tensor (twice, while its bytes are decoded) whatever the model's size. Nothing in a checkpoint
+loads the directory with no missing or unexpected keys. Tensors are read and written one at a time, and a tensor
+the ranks split by rows (FSDP, a colwise split) one chunk at a time: the memory is about the largest tensor (or
+chunk) twice whatever the model's size (`export_peak_fraction` in benchmarks/memory.py). Nothing in a checkpoint
 is unpickled as code (`raytrain.checkpoint_files`).
 """
 
@@ -28,6 +29,7 @@ import math
 import os
 import posixpath
 import re
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,26 +199,76 @@ class CheckpointTensors:
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor `name` on the CPU, in its stored dtype."""
+        pieces = list(self.pieces(name))
+        if len(pieces) == 1:
+            return pieces[0].reshape(self.shape(name))
+        return torch.cat([p.reshape(-1) for p in pieces]).reshape(self.shape(name))
+
+    def pieces(self, name: str) -> Iterator[torch.Tensor]:
+        """Tensor `name` as consecutive pieces of its row-major values (read one at a time, each yielded before the
+        next is read): its chunks in order when the ranks split it along its first dimension only (FSDP, a
+        colwise tensor-parallel split) or it is whole, else the tensor assembled from its chunks."""
+        meta = self._tensors[name]
+        chunks = sorted(meta.chunks, key=lambda c: tuple(c.offsets))
+        by_rows = all(
+            tuple(c.offsets[1:]) == (0,) * (len(meta.size) - 1) and tuple(c.sizes[1:]) == tuple(meta.size[1:])
+            for c in chunks
+        )
+        if by_rows:
+            for chunk in chunks:
+                yield self._chunk(name, chunk)
+            return
+        out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for chunk in chunks:
+            index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
+            out[index] = self._chunk(name, chunk)
+        yield out
+
+    def _chunk(self, name: str, chunk: Any) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
-        meta = self._tensors[name]
-        out: torch.Tensor | None = None
-        for chunk in meta.chunks:
-            info = self._storage[MetadataIndex(MODEL_KEY + name, torch.Size(chunk.offsets))]
-            if getattr(info, "transform_descriptors", None):
-                raise ConfigError(f"{self.path}: tensor {name!r} is stored with transforms raytrain does not read")
-            with self.fs.open_input_file(posixpath.join(self.path, info.relative_path)) as f:
-                data = f.read_at(info.length, info.offset)
-            part = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            del data
-            if tuple(chunk.sizes) == tuple(meta.size):
-                return part  # the whole tensor in one chunk (replicated, or W = 1): no copy
-            if out is None:
-                out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            index = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
-            out[index] = part
-        assert out is not None, f"tensor {name!r} has no chunk"
-        return out
+        info = self._storage[MetadataIndex(MODEL_KEY + name, torch.Size(chunk.offsets))]
+        if getattr(info, "transform_descriptors", None):
+            raise ConfigError(f"{self.path}: tensor {name!r} is stored with transforms raytrain does not read")
+        with self.fs.open_input_file(posixpath.join(self.path, info.relative_path)) as f:
+            window = typing.cast(typing.IO[bytes], _Window(f, info.offset, info.length))
+            part = torch.load(window, map_location="cpu", weights_only=True)
+        if tuple(part.shape) != tuple(chunk.sizes):
+            raise ConfigError(f"{self.path}: a chunk of {name!r} has shape {list(part.shape)}, not {list(chunk.sizes)}")
+        return part
+
+
+class _Window(io.RawIOBase):
+    """The bytes [offset, offset + length) of a seekable file as a file of their own (one chunk of a DCP file is a
+    whole `torch.save` archive): `torch.load` reads it without a copy of the chunk in memory first."""
+
+    def __init__(self, file: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._file, self._start, self._length, self._at = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = min(max(base + offset, 0), self._length)
+        return self._at
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        count = min(len(view), self._length - self._at)
+        if count <= 0:
+            return 0
+        self._file.seek(self._start + self._at)
+        done = self._file.readinto(view[:count])
+        self._at += done
+        return done
 
 
 # ---------------------------------------------------------------- writing safetensors
@@ -262,9 +314,9 @@ def _shards(planned: list[_Planned], limit: int) -> list[list[_Planned]]:
     return shards
 
 
-def _write_file(path: str, tensors: list[_Planned], read: Callable[[_Planned], torch.Tensor]) -> None:
+def _write_file(path: str, tensors: list[_Planned], read: Callable[[_Planned], Iterator[torch.Tensor]]) -> None:
     """One safetensors file: the 8-byte header length, the JSON header (padded to 8 bytes), then each tensor's
-    bytes in order, read and written one at a time."""
+    bytes in order, read and written piece by piece (`CheckpointTensors.pieces`)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for tensor in tensors:
@@ -280,10 +332,10 @@ def _write_file(path: str, tensors: list[_Planned], read: Callable[[_Planned], t
         f.write(len(text).to_bytes(8, "little"))
         f.write(text)
         for tensor in tensors:
-            value = read(tensor).contiguous()
-            if tensor.nbytes:
-                f.write(value.view(-1).view(torch.uint8).numpy().data)
-            del value
+            for piece in read(tensor):
+                if piece.numel():
+                    f.write(piece.contiguous().view(-1).view(torch.uint8).numpy().data)
+                del piece
 
 
 # ---------------------------------------------------------------- the export
@@ -371,8 +423,8 @@ def export(
         if WRITTEN.match(name):
             os.remove(os.path.join(out_dir, name))
 
-    def read(tensor: _Planned) -> torch.Tensor:
-        return reader.read(tensor.stored).to(tensor.dtype)
+    def read(tensor: _Planned) -> Iterator[torch.Tensor]:
+        return (piece.to(tensor.dtype) for piece in reader.pieces(tensor.stored))
 
     shards = _shards(planned, limit)
     files = (
