@@ -47,6 +47,7 @@ from raytrain.checkpoint_files import (
     verify,
 )
 from raytrain.errors import ConfigError
+from raytrain.storage import filesystem_of
 
 MODEL_KEY = "model."  # DCP stores the model's state under "model.<name>"
 SINGLE_FILE = "model.safetensors"
@@ -81,18 +82,6 @@ class Chosen:
     path: str
     fs: Any
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (directory, why) of newer damaged ones
-
-
-def _filesystem(run_dir: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, path on it) of a local run directory or a URI; `ConfigError` naming it otherwise."""
-    import pyarrow.fs as pafs
-
-    if "://" not in run_dir:
-        return pafs.LocalFileSystem(), os.path.abspath(run_dir)
-    try:
-        return pafs.FileSystem.from_uri(run_dir)
-    except (ValueError, OSError) as err:
-        raise ConfigError(f"run directory {run_dir!r} is not a path or a URI pyarrow can open: {err}") from None
 
 
 def _committed(run_dir: str, fs: Any) -> list[str]:
@@ -131,7 +120,7 @@ def choose_checkpoint(run_dir: str, step: int | None = None) -> Chosen:
     there are when `step` is not one, and naming why when the chosen one is damaged."""
     import pyarrow.fs as pafs
 
-    fs, path = _filesystem(run_dir)
+    fs, path = filesystem_of(run_dir, "run directory")
     if fs.get_file_info(path).type != pafs.FileType.Directory:
         raise ConfigError(f"run directory {run_dir!r} does not exist")
     found = sorted(

@@ -130,17 +130,9 @@ class Pretrained:
 
 
 def _filesystem(uri: str) -> tuple[Any, str]:
-    """(pyarrow filesystem, path on it) of a local path or a URI (its query options such as endpoint_override)."""
-    import os
+    from raytrain.storage import filesystem_of
 
-    import pyarrow.fs as pafs
-
-    if "://" not in uri:
-        return pafs.LocalFileSystem(), os.path.abspath(uri)
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (ValueError, OSError) as err:
-        raise ConfigError(f"init_from {uri!r} is not a path or a URI pyarrow can open: {err}") from None
+    return filesystem_of(uri, "init_from")
 
 
 def _header(fs: Any, path: str) -> dict[str, Any]:

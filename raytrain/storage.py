@@ -48,6 +48,20 @@ class RunStorage:
         return newest_checkpoint(self.path, live_too=self.is_local, fs=self.fs)
 
 
+def filesystem_of(uri: str, what: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path on it) of a local path (made absolute) or a URI (its query options such as
+    endpoint_override reach pyarrow; credentials from the environment); `ConfigError` naming `what` (the
+    setting, e.g. "init_from") and the URI when pyarrow cannot open it."""
+    import pyarrow.fs as pafs
+
+    if "://" not in uri:
+        return pafs.LocalFileSystem(), os.path.abspath(uri)
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (ValueError, OSError) as err:
+        raise ConfigError(f"{what} {uri!r} is not a path or a URI pyarrow can open: {err}") from None
+
+
 def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStorage:
     """The run directory of `checkpoint` on its filesystem: the local file system for a path, else `filesystem`
     (a `pyarrow.fs.FileSystem`; the URI without its scheme and options is the path on it, as Ray's
