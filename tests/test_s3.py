@@ -72,13 +72,13 @@ def s3(s3_port: int) -> Any:
 
 
 def test_parquet_and_checkpoints_on_s3_resume_there_at_another_world_size(
-    ray_local: None, tmp_path: Path, s3: Any
+    ray_local: None, tmp_path: Path, s3: Any, s3_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The training data uploaded to the S3 server (its index matches the local one) and the checkpoints written
     there: 2 workers train 4 steps reading s3://, then the same run restarted with 1 worker and 8 steps resumes
     from the S3 checkpoint (resharded by DCP). Both follow the loss curve of 1 worker trained 8 steps on the local
     files and local storage; every sample of the epoch once across the restart; the run's own files stay in the
-    local log directory, nothing of them in the bucket."""
+    local log directory, nothing of them in the bucket. The trained model exports from the bucket by its URI."""
     local = tmp_path / "local"
     for path in write_regression_parquet(local, 90, files=3, row_group=8):
         with open(path, "rb") as f, s3.open_output_stream(f"train-data/toy/{Path(path).name}") as out:
@@ -127,6 +127,22 @@ def test_parquet_and_checkpoints_on_s3_resume_there_at_another_world_size(
     names = {info.base_name for info in s3.get_file_info(pafs.FileSelector("ckpt/runs/remote"))}
     assert not names & {"metrics.jsonl", "events.jsonl", "raytrain.log"}
     assert (tmp_path / "remote" / "metrics.jsonl").exists()
+    # The trained model out of the bucket by its URI (the checkpoint read by byte ranges), equal to a local export
+    # of the same run's model read back through load_model
+    from raytrain.model_export import export, load_model
+    from raytrain.toy import mlp_factory
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}.items():
+        monkeypatch.setenv(key, value)
+    uri = f"s3://ckpt/runs/remote?endpoint_override=127.0.0.1:{s3_port}&scheme=http&region=us-east-1"
+    exported = export(uri, str(tmp_path / "exported"))
+    assert exported.step == 8 and exported.files == ["model.safetensors"]
+    from safetensors.torch import load_file
+
+    model = load_model(uri, mlp_factory(8, 16))
+    tensors = load_file(tmp_path / "exported" / "model.safetensors")
+    assert tensors.keys() == model.state_dict().keys()
+    assert all(bool((tensors[n] == t).all()) for n, t in model.state_dict().items())
 
 
 def _upload(s3: Any, local: Path, remote: str) -> None:
