@@ -296,7 +296,7 @@ def measure_export(quick: bool) -> dict[str, float]:
     import shutil
     import tempfile
 
-    width, layers = (512, 8) if quick else (LOAD_WIDTH, LOAD_LAYERS)
+    width, layers = (1536, 8) if quick else (LOAD_WIDTH, LOAD_LAYERS)
     with tempfile.TemporaryDirectory(prefix="raytrain-bench-export-") as directory:
         target = os.path.join(directory, "run", "checkpoint_2026-12-07_00-00-01")
         os.makedirs(target)

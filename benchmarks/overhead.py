@@ -724,7 +724,8 @@ def _step_costs_here(blocks: int, steps: int) -> dict[str, Any]:
     )
     order = np.random.default_rng([SEED, 0]).permutation(rows)
     torch.manual_seed(SEED)
-    model = nn.parallel.DistributedDataParallel(build_model())
+    # wrapped as raytrain wraps it (gradients as views of the buckets, zeroed in place by raytrain's step)
+    model = nn.parallel.DistributedDataParallel(build_model(), gradient_as_bucket_view=True)
     optimizer = sgd(model.parameters(), LR)
     at = [0]
 

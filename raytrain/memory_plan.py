@@ -391,8 +391,10 @@ def loop_memory(
     Ψ/W rounded up:
 
         ddp    params 4Ψ + grads 4Ψ (views of DDP's buckets: no second copy) + optimizer oΨ (+ cΨ autocast
-               copies, c < 4)
-        zero1  the same with the optimizer state oΨ/W
+               copies, c < 4); at W > 1 the first step holds the gradients twice (autograd's and the buckets)
+               before the optimizer's state exists, so the peak is 8Ψ + max(4Ψ, optimizer): + (4Ψ - optimizer)
+               where the state is smaller than 4Ψ (`ddp_first_step`: sgd, or zero1 at W > 2 with AdamW)
+        zero1  the same with the optimizer state oΨ/W (AdamW: 12Ψ at W >= 2, the first step's peak)
         zero2  shards (4 + o)Ψ/W + every unit gathered cΨ + (c + 4)U around one unit's backward
                (+ 4U when c < 4: FSDP2 casts the unit's gradient to fp32, its reduce dtype, beside the
                reduce-scatter's input buffer)
@@ -429,6 +431,8 @@ def loop_memory(
     if w == 1 or strategy in ("ddp", "zero1"):
         parts = {"params": 4 * psi, "grads": 4 * psi}
         parts["optimizer"] = o * (_shard(psi, w) if strategy == "zero1" else psi)
+        if w > 1 and parts["optimizer"] < 4 * psi:  # the first step's second gradient copy outgrows the state
+            parts["ddp_first_step"] = 4 * psi - parts["optimizer"]
         if c != 4:
             parts["cast"] = c * psi
         return LoopMemory(strategy, w, k, grad_accumulation, precision, parts)

@@ -626,9 +626,7 @@ class ElasticTrainer:
             from raytrain.pretrained import check_names, open_pretrained
 
             self.pretrained = open_pretrained(self.init_from, self.init_key_map)
-            for line in check_names(
-                self.pretrained, model, missing=self.init_missing, unexpected=self.init_unexpected
-            ):
+            for line in check_names(self.pretrained, model, missing=self.init_missing, unexpected=self.init_unexpected):
                 say(line)
         try:
             # pretrained weights replace the init: the sharded build then reads only each rank's shard

@@ -69,7 +69,8 @@ def test_memory_quick() -> None:
     assert headline["loss_matches_w1"] is True and headline["auto_fits"] is True
     # Built on meta and sharded: about half the parameters per rank at W = 2, not the whole model first.
     assert headline["init_peak_fraction"] < 0.8 < headline["init_peak_fraction_full_build"], headline
-    # The export holds about one chunk at a time: 0.28 of a 16-tensor model here (a tensor is 0.125 of it)
+    # The export holds about one chunk at a time: 0.19-0.25 of a 76 MB, 16-tensor model here (a tensor is 0.125
+    # of it, the process itself grows by 5-9 MB); an 8 MB model read 0.69-0.94, all of it that fixed growth
     assert headline["export_tensors"] >= 16 and 0 < headline["export_peak_fraction"] < 0.4, headline
 
 

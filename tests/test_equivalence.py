@@ -297,7 +297,7 @@ def _reference(case: Case) -> dict[str, torch.Tensor]:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm)
             assert norm > case.max_grad_norm, f"step {step}: norm {norm} does not clip; lower MAX_GRAD_NORM"
         opt.step()
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: t.detach().clone() for name, t in model.state_dict().items()}  # buffers compared too
 
 
 def _reference_of(case: Case) -> dict[str, torch.Tensor]:

@@ -128,6 +128,11 @@ def test_loop_memory_follows_the_strategies_structure() -> None:
     ddp = loop_memory(psi, "ddp", 4, largest_unit_params=unit)
     assert ddp.parts == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}  # grads: views of the buckets
     assert loop_memory(psi, "ddp", 1).parts == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi}
+    # DDP's first step holds the gradients twice before the optimizer's state exists: 12Ψ when the state is smaller
+    zero1 = loop_memory(psi, "zero1", 4)
+    assert zero1.parts == {"params": 4 * psi, "grads": 4 * psi, "optimizer": 2 * psi, "ddp_first_step": 2 * psi}
+    assert loop_memory(psi, "zero1", 2).total == loop_memory(psi, "ddp", 4, optimizer_bytes_per_param=0).total
+    assert "ddp_first_step" not in loop_memory(psi, "zero1", 1, optimizer_bytes_per_param=0).parts  # not wrapped
     zero3 = loop_memory(psi, "zero3", 4, largest_unit_params=unit, accumulation_steps=4, grad_accumulation="sharded")
     assert zero3.parts == {
         "params": psi,

@@ -129,6 +129,43 @@ def test_a_new_head_on_a_pretrained_model_keeps_its_own_init() -> None:
         check_names(base, classifier, missing="zero")
 
 
+def test_the_new_head_options_are_checked_where_a_user_sets_them(tmp_path: Path) -> None:
+    """`init_missing` / `init_unexpected` in the Python API and in a TOML file: a value outside the choices is one
+    error naming the field and the valid values, before anything is read; in TOML they need an init_from."""
+    from raytrain.cli.fit_config import parse_fit_config
+    from raytrain.config import BatchConfig, LRConfig
+    from raytrain.toy import mlp, sgd, squared_error
+    from raytrain.trainer import ElasticTrainer
+
+    common: dict[str, object] = {
+        "model_fn": mlp,
+        "loss_fn": squared_error,
+        "optimizer_fn": sgd,
+        "datasets": {"train": str(tmp_path)},
+        "batch": BatchConfig(global_batch=8, micro_batch=4),
+        "lr": LRConfig(base_lr=0.1),
+    }
+    with pytest.raises(ConfigError, match=r"init_missing must be one of \('init', 'error'\), got 'zeros'"):
+        ElasticTrainer(**common, init_from=str(saved("gpt2")), init_missing="zeros")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"init_unexpected must be one of \('error', 'ignore'\), got 'skip'"):
+        ElasticTrainer(**common, init_from=str(saved("gpt2")), init_unexpected="skip")  # type: ignore[arg-type]
+    entry = (
+        '[entry]\nmodel = "raytrain.toy:mlp"\nloss = "raytrain.toy:squared_error"\noptimizer = "raytrain.toy:sgd"\n'
+        'datasets = "raytrain.toy:regression_dataset"\n'
+    )
+    tables = "[batch]\nglobal_batch = 8\nmicro_batch = 4\n[lr]\nbase_lr = 0.1\n"
+    path = tmp_path / "job.toml"
+    path.write_text(entry + 'init_from = "weights/"\ninit_unexpected = "ignore"\n' + tables)
+    job = parse_fit_config(str(path))
+    assert (job.init_missing, job.init_unexpected, job.init_from) == ("init", "ignore", f"{tmp_path}/weights/")
+    path.write_text(entry + 'init_from = "weights/"\ninit_missing = "zeros"\n' + tables)
+    with pytest.raises(ConfigError, match=r"\[entry\] init_missing must be one of \['init', 'error'\], got 'zeros'"):
+        parse_fit_config(str(path))
+    path.write_text(entry + 'init_missing = "error"\n' + tables)
+    with pytest.raises(ConfigError, match=r"\[entry\] init_missing applies to init_from weights; the file sets no"):
+        parse_fit_config(str(path))
+
+
 def _gpt2_layers(layers: int, width: int = 32) -> nn.Module:
     import transformers
 

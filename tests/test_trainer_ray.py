@@ -66,10 +66,11 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
 
 @pytest.mark.parametrize("data", ["parquet", "ray"])
 def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, tmp_path: Path, data: str) -> None:
-    """Plain W = 1 against zero3 with activation checkpointing and sharded accumulation at W = 3, on Parquet files
-    read in place (a block model built on meta, one FSDP unit per block) or a Ray dataset (a top-1 mixture of
-    experts whose experts sit out steps per rank: the driver's probe keeps them out of the FSDP units and says so):
-    the same initial weights, the same samples per step, the same loss curve."""
+    """Plain W = 1 against zero3 with activation checkpointing and sharded accumulation at W = 3, both built by
+    the sharded build (`init="meta"`: the same weights at every W), on Parquet files read in place (a block model,
+    one FSDP unit per block) or a Ray dataset (a top-1 mixture of experts whose experts sit out steps per rank,
+    built with trunc_normal_, a private generator and attribute tensors: the driver's probe keeps the experts out
+    of the FSDP units and says so): the same initial weights, the same samples per step, the same loss curve."""
     import sys
 
     import ray.cloudpickle
@@ -78,8 +79,10 @@ def test_deterministic_loss_curve_is_independent_of_world_size(ray_local: None, 
     ray.cloudpickle.register_pickle_by_value(sys.modules["user_models"])
     model_fn = block_mlp_factory(8, 16, 3) if data == "parquet" else functools.partial(TopOneMoE, 8)
     options = {"model_fn": model_fn, "lr": LRConfig(base_lr=0.05), "steps": 6, "data": data}
-    parallel = ParallelConfig(activation_checkpointing=True, grad_accumulation="sharded")
-    one = read_jsonl(make_trainer(tmp_path, "w1", workers=1, **options).fit().metrics_path)  # type: ignore[arg-type]
+    parallel = ParallelConfig(activation_checkpointing=True, grad_accumulation="sharded", init="meta")
+    one = read_jsonl(  # the sharded build on both sides: each tensor's draws are its own, the same at every W
+        make_trainer(tmp_path, "w1", workers=1, parallel=ParallelConfig(init="meta"), **options).fit().metrics_path  # type: ignore[arg-type]
+    )
     three = make_trainer(tmp_path, "w3", workers=3, strategy="zero3", parallel=parallel, **options)  # type: ignore[arg-type]
     lines = read_jsonl(three.fit().metrics_path)
     assert [m["accumulation_steps"] for m in one] != [m["accumulation_steps"] for m in lines]

@@ -293,25 +293,33 @@ class Expert(nn.Module):
 class TopOneMoE(nn.Module):
     """A mixture of experts with top-1 routing as transformers' Mixtral loop writes it: each expert runs on the
     rows routed to it and is not called when none is, so experts sit out steps per rank (and, with a router
-    biased away from the last expert, globally). Features [n, width] -> [n]."""
+    biased away from the last expert, globally). Built with patterns the sharded build must reproduce: the router
+    drawn by `trunc_normal_`, a jitter buffer from a private generator, a temperature kept as a `_`-attribute and
+    per-expert scales in a list. Features [n, width] -> [n]."""
 
     def __init__(self, width: int = 5, experts: int = 4, hidden: int = 8) -> None:
         super().__init__()
         self.router = nn.Linear(width, experts)
+        nn.init.trunc_normal_(self.router.weight, std=0.5, a=-1.0, b=1.0)
         self.experts = nn.ModuleList(Expert(width, hidden) for _ in range(experts))
         self.head = nn.Linear(width, 1)
         with torch.no_grad():
             self.router.bias[-1] -= 2.0  # the last expert is rarely chosen: idle in whole steps
+        self.register_buffer("jitter", 0.01 * torch.randn(width, generator=torch.Generator().manual_seed(0)))
+        self._temperature = torch.tensor(1.5)
+        self.scales = [torch.full((1,), 1.0 - 0.1 * index) for index in range(experts)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights = self.router(x).softmax(dim=-1)
+        x = x + self.jitter.to(x.dtype)
+        weights = (self.router(x) / self._temperature.to(x.dtype)).softmax(dim=-1)
         choice = weights.argmax(dim=-1)
         out = x
         for index, expert in enumerate(self.experts):
             rows = (choice == index).nonzero().squeeze(-1)
             if rows.numel() == 0:
                 continue
-            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, index : index + 1])
+            scale = self.scales[index].to(x.dtype)
+            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, index : index + 1] * scale)
         return self.head(out).squeeze(-1)
 
 
