@@ -15,18 +15,25 @@ from dataclasses import dataclass
 
 import torch
 
+from raytrain import user_frames
+
 STEP_ATTRIBUTE = "raytrain_step"
 WHERE_ATTRIBUTE = "raytrain_where"
 FATAL_ATTRIBUTE = "raytrain_fatal"
+FRAMES_ATTRIBUTE = "raytrain_user_frames"  # `raytrain.user_frames.describe`: a few lines, the user's file and line
+TRACEBACK_ATTRIBUTE = "raytrain_traceback"  # the whole traceback, for <run>/raytrain.log
 
 
 def mark(error: BaseException, step: int, where: str) -> None:
-    """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from) and the
-    phase ("start" or "step") in which it escaped the worker loop. Travels with the exception when Ray pickles it."""
+    """Record on `error` the optimizer step (the one being trained or, at start, the one to resume from), the
+    phase ("start" or "step") in which it escaped the worker loop, and its traceback rendered here (the user's
+    frames, and the whole). Travels with the exception when Ray pickles it."""
     from raytrain.errors import DamagedCheckpointsError, NonFiniteError, OutOfMemory
 
     setattr(error, STEP_ATTRIBUTE, step)
     setattr(error, WHERE_ATTRIBUTE, where)
+    setattr(error, FRAMES_ATTRIBUTE, user_frames.describe(error))
+    setattr(error, TRACEBACK_ATTRIBUTE, user_frames.full(error))
     # Deterministic, or the storage's to fix: not worth even one retry.
     fatal = isinstance(error, NonFiniteError | DamagedCheckpointsError | OutOfMemory) or is_storage_error(error)
     setattr(error, FATAL_ATTRIBUTE, fatal)
@@ -64,7 +71,7 @@ class Signature:
     fatal: bool = False  # stop at the first occurrence (a NaN or Inf), do not wait for a repeat
 
     def describe(self, rank: int) -> str:
-        """One line for the user: where and what."""
+        """One line for the user: what, and at which step on which rank."""
         return f"{self.kind}: {self.message} ({self.at} on rank {rank})"
 
     @property
@@ -86,3 +93,20 @@ def signature(error: BaseException) -> Signature | None:
         getattr(error, WHERE_ATTRIBUTE, "step"),
         bool(getattr(error, FATAL_ATTRIBUTE, False)),
     )
+
+
+def frames_of(error: BaseException | None) -> str:
+    """The user's frames the worker rendered for a marked `error` (`mark`), else rendered from its traceback here
+    (an exception raised on the driver); empty when none is the user's."""
+    if error is None:
+        return ""
+    rendered = getattr(error, FRAMES_ATTRIBUTE, None)
+    return rendered if isinstance(rendered, str) else user_frames.describe(error)
+
+
+def traceback_of(error: BaseException | None) -> str:
+    """The whole traceback the worker rendered for a marked `error`, else its own."""
+    if error is None:
+        return ""
+    rendered = getattr(error, TRACEBACK_ATTRIBUTE, None)
+    return rendered if isinstance(rendered, str) else user_frames.full(error)

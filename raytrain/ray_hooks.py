@@ -29,7 +29,7 @@ from ray.train.v2.api.exceptions import ControllerError
 
 from raytrain.console import DETAIL_PREFIX, append_line, counted, output
 from raytrain.errors import UserCodeError
-from raytrain.failures import Signature, is_storage_error, signature
+from raytrain.failures import Signature, frames_of, is_storage_error, signature, traceback_of
 from raytrain.start_watch import mark_began
 
 
@@ -54,15 +54,43 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
             if found is None:
                 continue
             if found.fatal:
-                raise ControllerError(UserCodeError(fatal_message(found, error)))
+                raise ControllerError(user_code_error(fatal_message(found, error), error))
             first = self._first_seen.setdefault(found, self._attempt)
             if first != self._attempt:
                 raise ControllerError(
-                    UserCodeError(
+                    user_code_error(
                         f"{found.describe(rank)}, the same in two attempts of the worker group: a bug in the "
-                        "training code, not retried (the latest checkpoint is kept; fix the code and run again)"
+                        "training code, not retried (the latest checkpoint is kept; fix the code and run again)",
+                        error,
                     )
                 )
+
+
+def user_code_error(message: str, error: BaseException) -> UserCodeError:
+    """The `UserCodeError` for a worker's marked `error`: `message`, then the user's frames the worker rendered
+    (file, line, code); the whole traceback rides along as its `worker_traceback` attribute, for raytrain.log."""
+    frames = frames_of(error)
+    stopped = UserCodeError(f"{message}\n{frames}" if frames else message)
+    stopped.worker_traceback = traceback_of(error)  # type: ignore[attr-defined]
+    return stopped
+
+
+def failure_tracebacks(error: BaseException | None) -> list[str]:
+    """The whole tracebacks behind a worker-group failure, for raytrain.log's detail lines: each rank's marked
+    error (`raytrain.failures.mark`), or the `UserCodeError` that stopped the run; none for a lost worker."""
+    if error is None:
+        return []
+    inner = getattr(error, "controller_failure", None)
+    stopped = getattr(inner if inner is not None else error, "worker_traceback", None)
+    if isinstance(stopped, str):
+        return [stopped]
+    failures = getattr(error, "worker_failures", None) or {}
+    found = []
+    for rank, failure in sorted(failures.items()):
+        base = getattr(failure, "_base_exc", failure)
+        if signature(base) is not None:
+            found.append(f"rank {rank}: {traceback_of(base)}")
+    return found
 
 
 COLLECTIVE_NOISE = ("gloo", "nccl", "connection reset", "connection closed")
@@ -99,10 +127,16 @@ def _is_echo(error: BaseException) -> bool:
 
 
 def _first_sentence(error: BaseException, limit: int = 160) -> str:
+    """The error's type and its message's first sentence, or its first `limit` characters ended at a word and
+    marked "..." (never cut mid-word)."""
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     text = lines[0] if lines else ""
     end = text.find(". ", 20)
-    text = text[: end + 1] if 0 < end < limit else text[:limit]
+    if 0 < end < limit:
+        text = text[: end + 1]
+    elif len(text) > limit:
+        cut = text.rfind(" ", 0, limit)
+        text = text[: cut if cut > limit // 2 else limit].rstrip(" ,;:") + " ..."
     return f"{type(error).__name__}: {text}"
 
 
@@ -138,6 +172,14 @@ def fatal_message(found: Signature, error: BaseException) -> str:
             "committed checkpoint is intact: free space or fix the permissions and run the same command again"
         )
     return f"{found.kind}: {found.message}"
+
+
+FAILED_STATES = (controller_state.RestartingState, controller_state.ErroredState)
+
+
+def append_detail(run_dir: str, text: str) -> None:
+    """Append `text` to raytrain.log as detail lines, each line prefixed (the terminal's tail skips them all)."""
+    append_line(run_dir, "\n".join(f"{DETAIL_PREFIX} {line}" for line in text.splitlines()))
 
 
 class RunLog(ControllerCallback):
@@ -180,6 +222,8 @@ class RunLog(ControllerCallback):
             return
         if isinstance(current_state, controller_state.RunningState):
             self._waiting_since, self._attempts = None, 0
+        for text in failure_tracebacks(error) if isinstance(current_state, FAILED_STATES) else []:
+            append_detail(self.run_dir, text)
         if isinstance(current_state, controller_state.RestartingState):
             line = f"worker group failed ({describe_error(error)}): restarting from the latest checkpoint"
             append_line(self.run_dir, f"{DETAIL_PREFIX} {error_detail(error)}")
@@ -188,6 +232,10 @@ class RunLog(ControllerCallback):
             count = decision.num_workers
             line = f"cluster changed: restarting the worker group at {counted(count, 'worker')}"
         elif isinstance(current_state, controller_state.ErroredState):
+            if isinstance(getattr(error, "controller_failure", None), UserCodeError):
+                # the driver raises it, whole (the CLI prints it): the log keeps it, the terminal says it once
+                append_detail(self.run_dir, f"training failed: {error.controller_failure}")  # type: ignore[union-attr]
+                return
             line = f"training failed: {describe_error(error)}"
         else:
             return

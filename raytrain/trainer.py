@@ -208,11 +208,28 @@ def _refused_message(address: str, err: BaseException) -> str:
 
     found = re.search(r"InvalidAuthToken: [^.]*|Token authentication is enabled but [^.]*", str(err))
     reason = found.group(0) if found else str(err).splitlines()[0]
-    return (
-        f"the Ray cluster at RAY_ADDRESS={address!r} refused this process: it uses token authentication and the "
-        "token here is missing or not the cluster's; set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or "
-        f"~/.ray/auth_token) to the cluster's token ({reason})"
-    )
+    refused = f"the Ray cluster at RAY_ADDRESS={address!r} refused this process: it uses token authentication"
+    where = "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token)"
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode == "token":
+        return f"{refused} and the token here is missing or not the cluster's; set {where} to the cluster's token " + (
+            f"({reason})"
+        )
+    off = f"{refused} and this process does not (" + (f"RAY_AUTH_MODE is {mode!r}" if mode else "RAY_AUTH_MODE unset")
+    if _has_token():  # the token is here: the mode is what is missing
+        return f"{off}): set RAY_AUTH_MODE=token ({reason})"
+    return f"{off}): set RAY_AUTH_MODE=token and {where} to the cluster's token ({reason})"
+
+
+def _has_token() -> bool:
+    """Whether a Ray authentication token is available to this process (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+    ~/.ray/auth_token), whatever RAY_AUTH_MODE says; False where this Ray cannot tell."""
+    try:
+        from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+
+        return bool(AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True))
+    except (ImportError, AttributeError, TypeError):
+        return False
 
 
 def _authentication_error(err: BaseException) -> BaseException | None:
@@ -289,13 +306,10 @@ def explicit_token_mode() -> None:
     if "RAY_AUTH_MODE" in os.environ:
         return
     try:
-        from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
         from ray._raylet import Config  # type: ignore[attr-defined]  # not in its stub; Ray uses it the same way
-
-        has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
-    except (ImportError, AttributeError, TypeError):  # another Ray version: leave Ray's own behaviour
+    except (ImportError, AttributeError):  # another Ray version: leave Ray's own behaviour
         return
-    if has_token:
+    if _has_token():
         os.environ["RAY_AUTH_MODE"] = "token"
         Config.initialize("")  # this process's cached Ray config reads the mode again (as Ray does when it sets it)
 

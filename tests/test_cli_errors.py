@@ -58,6 +58,14 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, 
     assert not (tmp_path / "runs").exists()  # nothing was started, nothing written
 
 
+def test_verbose_adds_the_traceback_and_keeps_the_exit_code(tmp_path: Path) -> None:
+    done = raytrain("--verbose", "demo", "--global-batch", "0", "--storage", str(tmp_path / "runs"))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == "Traceback (most recent call last):" and "raytrain/config.py" in done.stderr, done.stderr
+    assert lines[-1] == "raytrain: error: global_batch must be an integer >= 1, got 0"
+
+
 def test_an_unreachable_ray_address_fails_in_seconds_for_every_entry_point(tmp_path: Path) -> None:
     for args in (("demo", "--steps", "5", "--storage", str(tmp_path)), ("fit", "examples/fit_mlp.toml")):
         done = raytrain(*args, env={"RAY_ADDRESS": "127.0.0.1:1"})

@@ -4,6 +4,7 @@ retried twice at the same step where it cannot (real Ray, local instance)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import ray.cloudpickle
 import torch
 from ray_helpers import make_trainer, read_jsonl
 
+from raytrain.console import DETAIL_PREFIX, LOG_FILE
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.preflight import build_model_for_check, check_loss_fn
 from raytrain.toy import mlp_factory, regression_arrays, squared_error
@@ -33,14 +35,6 @@ def reads_a_missing_column(model: torch.nn.Module, batch: dict[str, torch.Tensor
 
 def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return mean_loss(model, batch)
-
-
-def fails_on_sample_42(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Fine on the driver's first rows; raises in a worker at whichever step sample 42 lands (the same step on
-    every attempt: deterministic order)."""
-    if bool((batch["id"] == 42).any()):
-        raise ValueError("sample 42 is malformed")
-    return squared_error(model, batch)
 
 
 @pytest.mark.parametrize(
@@ -72,14 +66,60 @@ def test_a_bad_loss_fails_before_any_worker_starts(ray_local: None, tmp_path: Pa
 
 
 @pytest.mark.ray
-def test_the_same_exception_at_the_same_step_is_not_retried_again(ray_local: None, tmp_path: Path) -> None:
-    trainer = make_trainer(tmp_path, "bug", workers=2, loss_fn=fails_on_sample_42, max_failures=10)
-    with pytest.raises(
-        UserCodeError, match=r"ValueError: sample 42 is malformed \(at step \d+ on rank \d\), the same in two"
-    ):
-        trainer.fit()
-    starts = read_jsonl(tmp_path / "bug" / "events.jsonl")
-    assert len(starts) == 2, f"{len(starts)} attempts of the worker group; max_failures=10 would allow 11"
+def test_a_bug_in_a_worker_is_not_retried_twice_and_shows_the_users_file_and_line(
+    tmp_path: Path, ray_head_env: dict[str, str]
+) -> None:
+    """`raytrain fit` of a project whose loss fails in a worker at the step that reaches sample 42 (the driver's
+    check on the first rows passes): the same exception at the same step in the second attempt ends the run
+    (max_failures 10 would allow 11); the terminal shows the error, then the user's file, line and code, and no
+    traceback of Ray's; exit 2; `<run>/raytrain.log` holds every attempt's traceback whole."""
+    (tmp_path / "shapes.py").write_text("def fold(x):\n    return x.view(7, -1)\n")
+    (tmp_path / "entry.py").write_text(
+        "from raytrain.toy import mlp, regression_dataset, squared_error, sgd\n"
+        "from shapes import fold\n"
+        "def model():\n    return mlp(16, 32)\n"
+        "def loss(model, batch):\n"
+        "    if bool((batch['id'] == 42).any()):\n"
+        "        fold(batch['x'])  # 7 does not divide 8 x 16\n"
+        "    return squared_error(model, batch)\n"
+        "def optimizer(params, lr):\n    return sgd(params, lr)\n"
+        "def datasets():\n    return {'train': regression_dataset(64, features=16)}\n"
+    )
+    (tmp_path / "job.toml").write_text(
+        '[entry]\nmodel = "entry.py:model"\nloss = "entry.py:loss"\noptimizer = "entry.py:optimizer"\n'
+        'datasets = "entry.py:datasets"\n[batch]\nglobal_batch = 16\nmicro_batch = 8\n[lr]\nbase_lr = 0.1\n'
+        f'[checkpoint]\nstorage_path = "{tmp_path / "runs"}"\n[loop]\nid_column = "id"\n[cluster]\nmax_failures = 10\n'
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "raytrain.cli", "fit", str(tmp_path / "job.toml"), "--workers", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, **ray_head_env},
+    )
+    terminal = completed.stderr.splitlines()
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    (error,) = [i for i, line in enumerate(terminal) if line.startswith("raytrain: error:")]
+    assert re.search(
+        r"RuntimeError: shape '\[7, -1\]' is invalid for input of size 128 \(at step \d on rank \d\), the same in "
+        "two attempts of the worker group: a bug in the training code",
+        terminal[error],
+    ), terminal[error]
+    assert terminal[error + 1 :] == [
+        f'  File "{tmp_path / "entry.py"}", line 7, in loss',
+        "    fold(batch['x'])  # 7 does not divide 8 x 16",
+        f'  File "{tmp_path / "shapes.py"}", line 2, in fold',
+        "    return x.view(7, -1)",
+    ]
+    assert "Traceback" not in completed.stderr and "ray." not in completed.stderr, completed.stderr[-3000:]
+    assert "File " not in completed.stdout, completed.stdout  # the log's tail shows no detail line: said once
+    run_dir = tmp_path / "runs" / "run"
+    assert len(read_jsonl(run_dir / "events.jsonl")) == 2  # two attempts of the worker group, not eleven
+    log = (run_dir / LOG_FILE).read_text().splitlines()
+    whole = [i for i, line in enumerate(log) if line.endswith("Traceback (most recent call last):")]
+    assert len(whole) >= 2 and all(log[i].startswith(DETAIL_PREFIX) for i in whole), log  # the retry and the stop
+    assert sum("return x.view(7, -1)" in line for line in log) >= 2 and any("worker_loop.py" in x for x in log)
 
 
 def test_cli_reports_a_bad_loss_in_one_line_with_exit_2(tmp_path: Path, ray_head_env: dict[str, str]) -> None:

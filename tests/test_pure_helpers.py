@@ -309,3 +309,92 @@ def test_every_rank_agrees_at_the_same_steps_and_the_agreement_carries_the_slowe
     assert all(b - a == spacing for a, b in itertools.pairwise(agreed_at)), agreed_at[:6]
     assert len(agreed_at) == 1 + (300 - 1) // spacing
     assert all(wait == pytest.approx(0.002 * steps) and unwritten == 1.0 for wait, unwritten, steps in waits)
+
+
+def test_a_bug_in_the_users_project_is_shown_by_its_files_and_lines(tmp_path: Path) -> None:
+    """A project of two files whose loss calls a helper that makes torch raise: the worker renders the user's
+    frames (both files, innermost last, each with its code) and where inside torch it was raised; the strings
+    survive the pickling Ray does, and the driver's error puts them under its one-line message. A long message is
+    shortened at a word, never mid-word."""
+    import importlib
+    import pickle
+    import sys
+
+    import torch
+
+    from raytrain.failures import frames_of, mark, traceback_of
+    from raytrain.ray_hooks import describe_error, user_code_error
+
+    (tmp_path / "shapes.py").write_text("def fold(x):\n    return x.view(7, -1)  # 7 does not divide it\n")
+    (tmp_path / "train_job.py").write_text(
+        "from shapes import fold\n\ndef loss(batch):\n    folded = fold(batch)\n    return folded.sum()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        job = importlib.import_module("train_job")
+        with pytest.raises(RuntimeError) as caught:
+            job.loss(torch.zeros(1536))
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("train_job", "shapes"):
+            sys.modules.pop(name, None)
+    error = caught.value
+    mark(error, 3, "step")
+    error = pickle.loads(pickle.dumps(error))  # what Ray does between the worker and the controller
+    assert error.__traceback__ is None  # the frames are gone after pickling: only the rendered strings remain
+    frames = frames_of(error).splitlines()
+    assert frames[0].endswith("in test_a_bug_in_the_users_project_is_shown_by_its_files_and_lines")  # the caller
+    assert frames[2:] == [
+        f'  File "{tmp_path / "train_job.py"}", line 4, in loss',
+        "    folded = fold(batch)",
+        f'  File "{tmp_path / "shapes.py"}", line 2, in fold',
+        "    return x.view(7, -1)  # 7 does not divide it",
+    ]
+    assert len(frames) == 6  # 3 frames; torch's view raises in C++: no library frame below the user's
+    assert "Traceback (most recent call last)" in traceback_of(error) and "test_pure_helpers.py" in traceback_of(error)
+    stopped = user_code_error("RuntimeError: shape '[7, -1]' is invalid (at step 3 on rank 0)", error)
+    assert str(stopped).splitlines()[1:] == frames
+    assert stopped.worker_traceback == traceback_of(error)  # type: ignore[attr-defined]
+
+    try:  # raised inside a library below the user's frame: its file and line under them
+        json.loads("{'single': 'quotes'}")
+    except ValueError as err:
+        library = frames_of(err).splitlines()
+    assert library[-2] == """    json.loads("{'single': 'quotes'}")"""  # the code, stripped, under its frame
+    assert library[-1].startswith("  (raised inside json/decoder.py, line ")
+    assert library[-1].endswith(", in raw_decode)")
+
+    long = ValueError("word " * 60)
+    shown = describe_error(long)
+    assert shown.endswith("word ...") and len(shown) < 180, shown
+
+
+def test_a_token_clusters_refusal_names_what_is_missing_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's cluster commands on a machine with `~/.ray/auth_token`: a head started with the mode unset uses
+    the token; a process with the token but no `RAY_AUTH_MODE=token` is told to set the mode, not the token it has;
+    without a token, both; in token mode, the token."""
+    from ray._private.authentication.authentication_token_setup import AuthenticationTokenLoader
+
+    from raytrain.trainer import _refused_message
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    refusal = ValueError("InvalidAuthToken: Authentication token is missing or incorrect. More text")
+    loader = AuthenticationTokenLoader.instance()
+    try:
+        loader.reset_cache()
+        without = _refused_message("10.0.0.1:6379", refusal)
+        (tmp_path / ".ray").mkdir()
+        (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 2)
+        loader.reset_cache()
+        with_token = _refused_message("10.0.0.1:6379", refusal)
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        in_token_mode = _refused_message("10.0.0.1:6379", refusal)
+    finally:
+        loader.reset_cache()
+    start = "the Ray cluster at RAY_ADDRESS='10.0.0.1:6379' refused this process: it uses token authentication and "
+    reason = " (InvalidAuthToken: Authentication token is missing or incorrect)"
+    assert with_token == start + "this process does not (RAY_AUTH_MODE unset): set RAY_AUTH_MODE=token" + reason
+    assert without.startswith(start + "this process does not (RAY_AUTH_MODE unset): set RAY_AUTH_MODE=token and ")
+    assert in_token_mode.startswith(start + "the token here is missing or not the cluster's; set RAY_AUTH_TOKEN")

@@ -57,14 +57,19 @@ def test_ray_job_submit_runs_a_two_file_project_on_a_token_cluster_and_no_secret
             env |= {"RAY_AUTH_MODE": mode} if mode else {}
             tokenless = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
             assert tokenless.returncode == 2, tokenless.stderr[-3000:]
+            refused = f"raytrain: error: the Ray cluster at RAY_ADDRESS='{head['address']}' refused this process: it "
+            where = "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's token ("
             assert tokenless.stderr.strip().splitlines() == [
-                f"raytrain: error: the Ray cluster at RAY_ADDRESS='{head['address']}' refused this process: it uses "
-                "token authentication and the token here is missing or not the cluster's; set RAY_AUTH_TOKEN (or "
-                "RAY_AUTH_TOKEN_PATH, or ~/.ray/auth_token) to the cluster's token ("
+                refused
                 + (
-                    "Token authentication is enabled but no authentication token was found)"
+                    "uses token authentication and the token here is missing or not the cluster's; set "
+                    + where
+                    + "Token authentication is enabled but no authentication token was found)"
                     if mode
-                    else "InvalidAuthToken: Authentication token is missing or incorrect)"
+                    else "uses token authentication and this process does not (RAY_AUTH_MODE unset): set "
+                    "RAY_AUTH_MODE=token and "
+                    + where
+                    + "InvalidAuthToken: Authentication token is missing or incorrect)"
                 )
             ], tokenless.stderr[-3000:]
         with_token = {**head["env"], "AWS_SECRET_ACCESS_KEY": secret}

@@ -15,6 +15,7 @@ import os
 import posixpath
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -719,8 +720,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"raytrain: interrupted; {_resume_hint(args)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except (ConfigError, UserCodeError) as err:
-        if args.verbose:
-            raise
+        if args.verbose:  # the whole traceback (the worker's, for a bug in a worker) above the same line and code
+            print(getattr(err, "worker_traceback", None) or traceback.format_exc().rstrip(), file=sys.stderr)
         print(f"raytrain: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     finally:
