@@ -137,8 +137,10 @@ class Rank0Log:
             f"{line}, strategy {event['strategy']}" + (f", resumed at step {restored_step}" if restored_step else "")
         )
 
-    def step(self, metrics: dict[str, Any], sample_ids: Iterable[int] | None) -> None:
-        """Record one finished optimizer step (and its sample ids when auditing)."""
+    def step(self, metrics: dict[str, Any], sample_ids: Iterable[int] | None, shown: Sequence[str] = ()) -> None:
+        """Record one finished optimizer step (and its sample ids when auditing). The progress line (every
+        `log_every` steps, the first and the last) also comes at a step with a `val_loss`, which it shows, as it
+        shows the numeric metrics named in `shown` (what the user's loop reported)."""
         if not self.active:
             return
         self._append(METRICS_FILE, metrics)
@@ -150,11 +152,17 @@ class Rank0Log:
             ids = [int(i) for i in sample_ids]
             self._append(SAMPLES_FILE, {"step": metrics["step"], "epoch": metrics["epoch"], "ids": ids})
         step = metrics["step"]
-        if step % self.log_every == 0 or step == 1 or step == self.total_steps:  # the bar ends at 100 %
+        validated = "val_loss" in metrics
+        if step % self.log_every == 0 or step == 1 or step == self.total_steps or validated:  # the bar ends at 100 %
             rate = metrics["global_batch_size"] / max(metrics["step_time_s"], 1e-9)
+            extra = "".join(
+                f" | {name} {metrics[name]:.4g}"
+                for name in ("val_loss", *shown)
+                if isinstance(metrics.get(name), int | float) and not isinstance(metrics[name], bool)
+            )
             self.print(
                 f"{progress_bar(step, self.total_steps)}step {step:>5} | epoch {metrics['epoch']} | "
-                f"loss {metrics['loss']:.4f} | "
+                f"loss {metrics['loss']:.4f}{extra} | "
                 f"world {metrics['world_size']} | lr {metrics['lr']:.3e} | {rate:,.0f} samples/s"
             )
 

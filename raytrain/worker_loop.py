@@ -689,12 +689,16 @@ def steps(run: Run) -> Iterator[Step]:
             stats = run.source.stats
             metrics["data_held_bytes"] = stats.held_bytes
             metrics["data_cpu_s"] = stats.load_cpu_s + stats.assemble_cpu_s  # since the source began (rank 0)
+        reported = list(run.user_metrics)
         metrics.update(run.user_metrics)
         run.user_metrics.clear()
-        checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or state.step == max_steps
+        # the run's last step (when its length is known) validates and checkpoints with its line: the final
+        # validation is in metrics.jsonl, for a fresh and a resumed run alike
+        last = state.step in (max_steps, run.total_steps)
+        checkpoint_now = state.step % spec.checkpoint.every_steps == 0 or last
         if checkpoint_now:
             _validate(run, metrics)
-        run.log.step(metrics, run.source.global_ids(data) if spec.loop.audit_samples else None)
+        run.log.step(metrics, run.source.global_ids(data) if spec.loop.audit_samples else None, shown=reported)
         if checkpoint_now:
             checkpointed = _checkpoint(run, metrics)
         if deadline is not None:  # a node of the group is being drained: save now, train nothing to be lost
@@ -710,7 +714,10 @@ def steps(run: Run) -> Iterator[Step]:
     if isinstance(run.source, ParquetSteps):
         run.source.close()
     if metrics:
-        run.log.finish({"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)})
+        summary = {"steps": state.step, "last epoch": metrics["epoch"], "final loss": round(metrics["loss"], 6)}
+        if "val_loss" in metrics:
+            summary["val_loss"] = round(metrics["val_loss"], 6)
+        run.log.finish(summary)
     else:
         end = where_the_run_ends(state.epoch, spec.loop.epoch_limit, spec.loop.max_steps)
         run.log.print(f"nothing left to train: the checkpoint is at step {state.step}, {end}")

@@ -104,17 +104,22 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
             "loss": 1.0,
             "lr": 0.1,
         }
-        log.step(metrics, [step])
+        if step == 3:  # a validation and a metric the user's loop reported: that step's line shows both
+            metrics |= {"val_loss": 0.25, "ema_norm": 7.5, "note": "text is not shown"}
+        log.step(metrics, [step], shown=["ema_norm", "note"] if step == 3 else ())
     log.start(restored_step=3, event={**event, "step": 3})  # a restart from the step-3 checkpoint
-    log.finish({"steps": 5})
+    log.finish({"steps": 5, "val_loss": 0.25})
     log.close()
     said = (tmp_path / LOG_FILE).read_text().splitlines()
     (restart,) = [line for line in said if line.endswith(", strategy ddp, resumed at step 3")]
     assert restart.startswith("[raytrain] world 2 (as before): accumulation 1, samples/rank [4,4], global batch 8")
     bars = [line for line in said if "| epoch 0 |" in line]
-    assert [line.split("step")[1].split("|")[0].strip() for line in bars] == ["1", "5"], bars
+    assert [line.split("step")[1].split("|")[0].strip() for line in bars] == ["1", "3", "5"], bars
+    assert "| loss 1.0000 | val_loss 0.25 | ema_norm 7.5 | world 2 |" in bars[1] and "text" not in bars[1], bars
     assert bars[-1].startswith("[raytrain] [####################] 100% step"), bars
-    assert said[-1].startswith("[raytrain] done: steps 5 (") and said[-1].endswith(f"; files in {tmp_path}"), said
+    assert said[-1].startswith("[raytrain] done: steps 5, val_loss 0.25 (") and said[-1].endswith(
+        f"; files in {tmp_path}"
+    )
     metrics_steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     sample_steps = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert metrics_steps == sample_steps == [1, 2, 3]
@@ -148,11 +153,14 @@ def test_demo_warns_about_settings_that_cannot_take_effect() -> None:
 
 
 def test_fit_summary_counts_this_invocations_restarts_and_agrees_on_the_epoch(tmp_path: Path) -> None:
-    from raytrain.cli.main import fit_summary
+    from raytrain.cli.main import fit_summary, format_fit_summary
     from raytrain.trainer import FitResult
 
     (tmp_path / "metrics.jsonl").write_text(
-        "".join(json.dumps({"step": s, "epoch": (s - 1) // 4, "loss": 0.5}) + "\n" for s in range(1, 9))
+        "".join(
+            json.dumps({"step": s, "epoch": (s - 1) // 4, "loss": 0.5} | ({"val_loss": 0.75} if s == 8 else {})) + "\n"
+            for s in range(1, 9)
+        )
     )
     starts = [{"time": 10.0, "world_size": 2, "step": 0}, {"time": 20.0, "world_size": 2, "step": 8}]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(s) + "\n" for s in starts))
@@ -160,6 +168,8 @@ def test_fit_summary_counts_this_invocations_restarts_and_agrees_on_the_epoch(tm
     summary = fit_summary(result, since=15.0)  # a plain rerun of a finished run: one start since, no restart
     assert summary["restarts"] == 0 and summary["world_sizes"] == [2] and summary["resumed_from_step"] == 8
     assert summary["last_epoch"] == 1 and summary["steps"] == 8
+    steps_line = format_fit_summary(summary).splitlines()[1]
+    assert steps_line == "steps           8 (resumed from step 8), final loss 0.5000, val_loss 0.7500, last epoch 1"
 
 
 @given(st.sets(st.integers(-50, 200)), st.lists(st.integers(-50, 200)), st.lists(st.integers(-50, 200)))

@@ -24,7 +24,7 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
     # The driver's start watch speaks at once and every 0.5 s until the controller's run loop begins, then never
     monkeypatch.setattr("raytrain.start_watch.SAY_AFTER_S", 0.0)
     monkeypatch.setattr("raytrain.start_watch.REPEAT_S", 0.5)
-    trainer = make_trainer(tmp_path, "e2e", workers=2, audit=True, every=5)
+    trainer = make_trainer(tmp_path, "e2e", workers=2, audit=True, every=4)
     trainer.datasets["val"] = regression_dataset(25, seed=1)
     result = trainer.fit()
     log = (Path(result.run_dir) / LOG_FILE).read_text().splitlines()
@@ -53,9 +53,13 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
     assert sorted(by_epoch[0]) == sorted(by_epoch[1]) == list(range(ROWS))
     assert by_epoch[0] != by_epoch[1]
     assert result.metrics is not None and result.metrics["step"] == 10
-    # Validation loss at each checkpoint (steps 5 and 10), computed over all 25 rows whatever W is.
-    assert [m["step"] for m in lines if "val_loss" in m] == [5, 10]
-    assert 0 < result.metrics["val_loss"] < 10
+    # Validation loss at each checkpoint (steps 4 and 8) and at the run's last step (10, between checkpoints: the
+    # final validation is in metrics.jsonl), computed over all 25 rows whatever W is; in view on the terminal.
+    assert [m["step"] for m in lines if "val_loss" in m] == [4, 8, 10]
+    assert 0 < result.metrics["val_loss"] < 10 and result.metrics["val_loss"] == lines[-1]["val_loss"]
+    shown = [line for line in log if "| val_loss " in line]
+    assert [line.split("step")[1].split("|")[0].strip() for line in shown] == ["4", "8", "10"], log
+    assert f"val_loss {round(lines[-1]['val_loss'], 6)} (" in next(x for x in log if x.startswith("[raytrain] done:"))
     assert result.checkpoint is not None
     events = read_jsonl(result.events_path)
     assert len(events) == 1 and events[0]["world_size"] == 2

@@ -598,6 +598,7 @@ def format_fit_summary(summary: dict[str, Any]) -> str:
             f"steps           {summary['steps']}"
             + (f" (resumed from step {start})" if start else " (from the start)")
             + (f", final loss {loss:.4f}" if loss is not None else "")
+            + (f", val_loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
             + (f", last epoch {summary['last_epoch']}" if summary["last_epoch"] is not None else ""),
             f"world sizes     {' -> '.join(str(w) for w in sizes) or '-'} ({summary['restarts']} restarts)",
             f"checkpoint      {summary['checkpoint'] or 'none'}",
@@ -621,7 +622,7 @@ def _build_datasets(job: FitJob, dashboard: bool = True) -> dict[str, Any]:
 
 def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
     """The end-of-run summary of this invocation (worker-group starts after `since`, a `time.time()`): steps,
-    the last step's epoch, the world sizes, restarts, final loss, where things are."""
+    the last step's epoch, the world sizes, restarts, final loss and validation loss, where things are."""
     from raytrain.rank0 import read_jsonl
 
     metrics = read_jsonl(result.metrics_path)
@@ -634,6 +635,7 @@ def fit_summary(result: FitResult, since: float) -> dict[str, Any]:
         "world_sizes": [s["world_size"] for s in starts],
         "restarts": max(0, len(starts) - 1),
         "final_loss": metrics[-1]["loss"] if metrics else None,
+        "val_loss": metrics[-1].get("val_loss") if metrics else None,  # the final validation, on the last line
         "checkpoint": (
             f"{result.storage_uri or result.run_dir}/{posixpath.basename(result.checkpoint.path)}"
             if result.checkpoint is not None
