@@ -408,3 +408,21 @@ def test_a_token_clusters_refusal_names_what_is_missing_here(tmp_path: Path, mon
     assert with_token == start + "this process does not (RAY_AUTH_MODE unset): set RAY_AUTH_MODE=token" + reason
     assert without.startswith(start + "this process does not (RAY_AUTH_MODE unset): set RAY_AUTH_MODE=token and ")
     assert in_token_mode.startswith(start + "the token here is missing or not the cluster's; set RAY_AUTH_TOKEN")
+
+
+def test_the_demos_summary_says_its_audit_and_counts_in_words() -> None:
+    from raytrain.cli.main import format_audit, format_summary
+
+    clean = {str(e): {"duplicates": 0, "missing": 0} for e in range(4)}
+    assert format_audit(clean) == "epochs 0-3: every sample exactly once"
+    assert format_audit({"0": {"duplicates": 0, "missing": 0}}) == "epoch 0: every sample exactly once"
+    broken = clean | {"2": {"duplicates": 3, "missing": 1}}
+    assert format_audit(broken) == "epoch 2: 3 duplicated, 1 missing"
+    event = {"kind": "kill", "applied_step": 10, "detail": "killed rank 1", "recovered_time": 1.0}
+    event |= {"recovered_world_size": 2, "recovery_s": 8.2, "steps_lost": 1}
+    summary = {"run_dir": "r", "steps": 20, "wall_s": 30, "final_loss": 0.5, "global_batch_sizes": [96]}
+    summary |= {"world_sizes": [3, 2], "restarts": 1, "events": [event], "skipped_events": [], "audit": clean}
+    summary["plot"] = "r/timeline.png"
+    text = format_summary(summary)
+    assert "training again at world 2 after 8.2 s, 1 step retrained" in text, text
+    assert "audit           epochs 0-3: every sample exactly once" in text, text

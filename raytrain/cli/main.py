@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from raytrain.console import VERBOSE_ENV, leave_interrupt_line_to_caller, say, set_output
+from raytrain.console import VERBOSE_ENV, counted, leave_interrupt_line_to_caller, say, set_output
 from raytrain.errors import ConfigError, UserCodeError
 from raytrain.run_lock import run_lock
 
@@ -421,6 +421,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_audit(report: dict[str, dict[str, int]]) -> str:
+    """The demo's sample audit (`audit_epochs`: per completed epoch, ids duplicated and missing) for people:
+    "epochs 0-3: every sample exactly once", else each epoch that was not, with its counts."""
+    if not report:
+        return "no epoch completed"
+    epochs = sorted(int(epoch) for epoch in report)
+    span = f"epoch {epochs[0]}" if len(epochs) == 1 else f"epochs {epochs[0]}-{epochs[-1]}"
+    wrong = [(e, report[str(e)]) for e in epochs if report[str(e)]["duplicates"] or report[str(e)]["missing"]]
+    if not wrong:
+        return f"{span}: every sample exactly once"
+    return "; ".join(f"epoch {e}: {c['duplicates']} duplicated, {c['missing']} missing" for e, c in wrong)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The demo's summary for people."""
     lines = [
@@ -442,7 +455,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         elif event["recovered_time"]:
             recovered = (
                 f"training again at world {event['recovered_world_size']} after {event['recovery_s']:.1f} s, "
-                f"{event['steps_lost']} steps retrained"
+                f"{counted(event['steps_lost'], 'step')} retrained"
             )
         else:
             recovered = "no restart observed"
@@ -471,7 +484,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             + (f"no worker node left {down} s after training" if down is not None else "idle nodes NOT removed")
         )
     if "audit" in summary:
-        lines.append(f"audit           {summary['audit']} (per completed epoch)")
+        lines.append(f"audit           {format_audit(summary['audit'])}")
     lines.append(f"plot            {summary['plot']}")
     return "\n".join(lines)
 
