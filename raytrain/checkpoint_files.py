@@ -177,14 +177,21 @@ def checkpoint_dirs(run_dir: str, fs: Any = None) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def remove_uncommitted(run_dir: str, latest_committed_step: int, fs: Any = None) -> list[str]:
-    """Delete the checkpoint directories of steps after `latest_committed_step`: written by a worker group that
-    failed before Ray committed them, so that Ray's `num_to_keep`, which only counts what it committed, leaves no
-    more than that on disk. Call on rank 0 at a (re)start, before any new checkpoint. Returns the paths removed."""
+def remove_uncommitted(latest: str, fs: Any = None) -> list[str]:
+    """Delete the checkpoint directories written after `latest`, Ray's latest committed checkpoint (on the pyarrow
+    filesystem `fs`, None: local): those of later steps, written by a worker group that failed before Ray
+    committed them, and those named after it with no train state, a save cut short (by Ctrl-C or a lost node), so
+    that Ray's `num_to_keep`, which only counts what it committed, leaves no more than that on disk. Call on rank 0
+    at a (re)start, before any new checkpoint. Returns the paths removed."""
     fs = _fs(fs)
+    latest_step, latest_name = read_step(latest, fs), posixpath.basename(latest)
     removed = []
-    for step, path in checkpoint_dirs(run_dir, fs):
-        if step > latest_committed_step:
+    for path in checkpoint_paths(posixpath.dirname(latest.rstrip("/")), fs):
+        try:
+            after = read_step(path, fs) > latest_step
+        except (OSError, ValueError):
+            after = posixpath.basename(path) > latest_name  # Ray names them checkpoint_<timestamp>
+        if after:
             try:
                 fs.delete_dir(path)
             except OSError:

@@ -249,7 +249,7 @@ def _restore(
     candidates = restore_candidates(latest, fs)
     if log.active:
         try:
-            for path in remove_uncommitted(_run_dir_of(latest), read_step(latest, fs), fs):
+            for path in remove_uncommitted(latest, fs):
                 log.print(f"removed {posixpath.basename(path)}: written after the latest committed checkpoint")
         except (OSError, ValueError):
             pass  # the latest has no readable state: nothing to compare with (verify names it below)

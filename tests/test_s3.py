@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from ray_helpers import make_trainer, read_jsonl
 
-from raytrain.checkpoint_files import checkpoint_dirs, latest_committed, verify
+from raytrain.checkpoint_files import checkpoint_dirs, checkpoint_paths, latest_committed, verify
 from raytrain.config import CheckpointConfig
 from raytrain.data.parquet import ParquetSource
 from raytrain.errors import ConfigError
@@ -205,7 +205,8 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
 
 def test_uncommitted_checkpoints_on_s3_are_removed_and_older_ones_are_candidates(s3: Any) -> None:
     """What a restart does on object storage (no Ray): the checkpoints after Ray's latest committed one are
-    deleted from the bucket; the candidates to load are the latest, then the older ones, newest first."""
+    deleted from the bucket, a save cut short after it (no train state: Ctrl-C or a lost node mid-save) too; one
+    cut short before it is not ours to judge and stays; the candidates to load are the latest, then the older ones, newest first."""
     import torch
     from torch import nn
 
@@ -219,8 +220,16 @@ def test_uncommitted_checkpoints_on_s3_are_removed_and_older_ones_are_candidates
     for step in (3, 5, 8):  # named as Ray names them: checkpoint_<timestamp>
         local = Path(save_checkpoint(model, optimizer, TrainState(step=step), 0, IdRanges()))
         _upload(s3, local, f"ckpt/re/checkpoint_2026-11-30_0{step}")
+    for cut_short in ("04", "09"):  # DCP's data written, the train state not yet
+        s3.create_dir(f"ckpt/re/checkpoint_2026-11-30_{cut_short}")
+        with s3.open_output_stream(f"ckpt/re/checkpoint_2026-11-30_{cut_short}/__0_0.distcp") as out:
+            out.write(b"x" * 64)
     assert [step for step, _ in checkpoint_dirs("ckpt/re", s3)] == [3, 5, 8]
-    assert remove_uncommitted("ckpt/re", 5, s3) == ["ckpt/re/checkpoint_2026-11-30_08"]
+    assert remove_uncommitted("ckpt/re/checkpoint_2026-11-30_05", s3) == [
+        "ckpt/re/checkpoint_2026-11-30_08",
+        "ckpt/re/checkpoint_2026-11-30_09",
+    ]
+    assert len(checkpoint_paths("ckpt/re", s3)) == 3
     assert [step for step, _ in checkpoint_dirs("ckpt/re", s3)] == [3, 5]
     assert restore_candidates("ckpt/re/checkpoint_2026-11-30_05", s3) == [
         "ckpt/re/checkpoint_2026-11-30_05",
