@@ -104,6 +104,12 @@ def frames_of(error: BaseException | None) -> str:
     return rendered if isinstance(rendered, str) else user_frames.describe(error)
 
 
+def with_frames(message: str, error: BaseException | None) -> str:
+    """`message`, then the user's frames of `error` (`frames_of`) on lines of their own, or `message` alone."""
+    frames = frames_of(error)
+    return f"{message}\n{frames}" if frames else message
+
+
 def traceback_of(error: BaseException | None) -> str:
     """The whole traceback the worker rendered for a marked `error`, else its own."""
     if error is None:

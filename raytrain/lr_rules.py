@@ -162,11 +162,18 @@ class ScheduleClock:
         return cls(**record)
 
 
-def describe_schedule_on_resume(before: ScheduleClock, after: ScheduleClock, step: int) -> str | None:
-    """The log line for a resume whose run length changed (None when the clock was kept)."""
-    if before == after or before.end is None or after.end is None:
+def describe_schedule_on_resume(
+    before: ScheduleClock, after: ScheduleClock, step: int, total_steps: int | None
+) -> str | None:
+    """The one run-length line of a resume at `step`, after its decisions (the driver says the run's length only at
+    a fresh start): where the run ends now (`total_steps`), and, when that moved, where it ended before and how the
+    LR schedule continues. None when the run's length is unknown (streaming without max_steps)."""
+    if total_steps is None:
         return None
+    if before == after or before.end is None or after.end is None:
+        return f"run length: resumed at step {step}, the run ends at step {total_steps} (as before)"
     return (
-        f"the run now ends at step {after.end} (was {before.end}): the LR schedule continues from schedule step "
-        f"{after.anchor_x:.4g} of {after.total} at step {step} and reaches its end at step {after.end}"
+        f"run length: resumed at step {step}, the run now ends at step {after.end} (was {before.end}): the LR "
+        f"schedule continues from schedule step {after.anchor_x:.4g} of {after.total} and reaches its end at step "
+        f"{after.end}"
     )

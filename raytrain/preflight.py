@@ -15,15 +15,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from raytrain import user_frames
 from raytrain.errors import ConfigError
+from raytrain.failures import with_frames
 from raytrain.optim import OptimizerFactory, call_optimizer_fn, check_shardable
-
-
-def where(err: BaseException) -> str:
-    """The user's frames of `err` on lines of their own after a message (`raytrain.user_frames`), or nothing."""
-    frames = user_frames.describe(err)
-    return f"\n{frames}" if frames else ""
 
 
 def _named(role: str, fn: Any) -> str:
@@ -43,7 +37,7 @@ def build_model_for_check(model_fn: Callable[[], nn.Module]) -> nn.Module:
             model = model_fn()
         except Exception as err:
             named = _named("model_fn", model_fn)
-            raise ConfigError(f"{named} raised {type(err).__name__}: {err}{where(err)}") from None
+            raise ConfigError(with_frames(f"{named} raised {type(err).__name__}: {err}", err)) from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{_named('model_fn', model_fn)} must return a torch.nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
@@ -60,7 +54,7 @@ def check_optimizer_fn(optimizer_fn: OptimizerFactory, model: nn.Module, lr: flo
         raise
     except Exception as err:
         raise ConfigError(
-            f"{_named('optimizer_fn', optimizer_fn)} raised {type(err).__name__}: {err}{where(err)}"
+            with_frames(f"{_named('optimizer_fn', optimizer_fn)} raised {type(err).__name__}: {err}", err)
         ) from None
     if strategy == "zero1":
         check_shardable(optimizer)
@@ -74,7 +68,9 @@ def check_lr_schedule_fn(fn: Callable[[int, int], float], total_steps: int) -> N
             value = fn(step, total_steps)
         except Exception as err:
             raise ConfigError(
-                f"{_named('lr_schedule_fn', fn)}({step}, {total_steps}) raised {type(err).__name__}: {err}{where(err)}"
+                with_frames(
+                    f"{_named('lr_schedule_fn', fn)}({step}, {total_steps}) raised {type(err).__name__}: {err}", err
+                )
             ) from None
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
             raise ConfigError(
@@ -89,7 +85,8 @@ def check_units_fn(units_fn: Callable[[nn.Module], list[nn.Module]], model: nn.M
     try:
         units = units_fn(model)
     except Exception as err:
-        raise ConfigError(f"{_named('units_fn', units_fn)} raised {type(err).__name__}: {err}{where(err)}") from None
+        message = f"{_named('units_fn', units_fn)} raised {type(err).__name__}: {err}"
+        raise ConfigError(with_frames(message, err)) from None
     members = {id(m) for m in model.modules() if m is not model}
     if not isinstance(units, list | tuple) or not all(isinstance(u, nn.Module) and id(u) in members for u in units):
         raise ConfigError(
@@ -186,8 +183,11 @@ def _call_loss(
 
 def _loss_error(loss_fn: Callable[..., Any], err: Exception, rows: int, columns: list[str]) -> ConfigError:
     return ConfigError(
-        f"{_named('loss_fn', loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with columns "
-        f"{columns}{where(err)}"
+        with_frames(
+            f"{_named('loss_fn', loss_fn)} raised {type(err).__name__}: {err} on a batch of {rows} samples with "
+            f"columns {columns}",
+            err,
+        )
     )
 
 
@@ -230,7 +230,7 @@ def check_pipeline(
         if not real:
             return f"pipeline check skipped: the stages do not run on the meta device ({type(err).__name__})"
         raise ConfigError(
-            f"the {pp} pipeline stages, chained on {rows} samples, raised {type(err).__name__}: {err}{where(err)}"
+            with_frames(f"the {pp} pipeline stages, chained on {rows} samples, raised {type(err).__name__}: {err}", err)
         ) from None
     if expected is None:
         return f"pipeline check: {pp} stages chained on {rows} samples (meta device: shapes only)"

@@ -102,7 +102,10 @@ class Rank0Log:
         """Print one line on rank 0 and append it to the run's log (what the driver shows; `raytrain.console`)."""
         if self.active:
             line = f"[raytrain] {message}"
-            print(line, file=self.out, flush=True)
+            # written, not print()ed: under a plain ray.init() Ray Train patches print() in its workers to log each
+            # line and also print it, so a print appeared twice on the driver's terminal
+            self.out.write(line + "\n")
+            self.out.flush()
             self._write(LOG_FILE, line)
 
     def _last_event(self) -> dict[str, Any] | None:
@@ -126,16 +129,21 @@ class Rank0Log:
         previous = self._last_event()
         event = {**event, "previous_world_size": previous["world_size"] if previous else None, "time": time.time()}
         self._append(EVENTS_FILE, event)
+        before = previous if restored_step else None  # from step 0 nothing carries over: no "as before"
         line = resize_line(
-            previous["plan"] if previous else None,
+            before["plan"] if before else None,
             event["plan"],
             event["lr"],
-            previous["lr"] if previous else None,
+            before["lr"] if before else None,
             event.get("layout"),
         )
-        self.print(
-            f"{line}, strategy {event['strategy']}" + (f", resumed at step {restored_step}" if restored_step else "")
-        )
+        if restored_step:
+            line += f", strategy {event['strategy']}, resumed at step {restored_step}"
+        elif previous is not None:
+            line += f", strategy {event['strategy']}, from step 0 (no checkpoint to resume from)"
+        else:
+            line += f", strategy {event['strategy']}"
+        self.print(line)
 
     def step(self, metrics: dict[str, Any], sample_ids: Iterable[int] | None, shown: Sequence[str] = ()) -> None:
         """Record one finished optimizer step (and its sample ids when auditing). The progress line (every
@@ -202,14 +210,17 @@ def resize_line(
     lr: float,
     previous_lr: float | None,
     layout: dict[str, int] | None = None,
+    lr_label: str = "peak lr",
 ) -> str:
     """The line logged when the worker group (re)starts, e.g.
     ``world 3 -> 2: accumulation 2 -> 3, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged),
-    lr 3.0e-03 (unchanged)``. `previous`/`current` are `BatchPlan.to_dict()` forms (computed for the data-parallel
-    replicas). With a model-parallel `layout` ({"dp", "tp", "pp"}) the line names it:
+    peak lr 3.0e-03 (unchanged)``: the LR the schedule peaks at (each step's own LR is on its progress line and in
+    metrics.jsonl); `lr_label` names what `lr` is. `previous`/`current` are `BatchPlan.to_dict()` forms (computed
+    for the data-parallel replicas). With a model-parallel `layout` ({"dp", "tp", "pp"}) the line names it:
     ``dp 2 -> 1, tp 2, pp 1: accumulation 1 -> 2, samples/replica [4,4] -> [8], ...``. A restart whose split is
     the one before (a kill, a resume at the same size and batch) says so instead of showing arrows:
-    ``world 2 (as before): accumulation 2, samples/rank [64,64], global batch 256 (unchanged), ...``."""
+    ``world 2 (as before): accumulation 2, samples/rank [64,64], global batch 256 (unchanged), ...``. `previous`
+    None (a first start, or one from step 0 with nothing to resume) gives the split alone."""
 
     def samples(plan: dict[str, Any]) -> str:
         return "[" + ",".join(str(n) for n in plan["per_rank_samples"]) + "]"
@@ -220,7 +231,7 @@ def resize_line(
     if previous is None:
         return (
             f"{who} {current['world_size']}{fixed}: accumulation {current['accumulation_steps']}, "
-            f"{per} {samples(current)}, global batch {current['global_batch']}, lr {lr:.1e}"
+            f"{per} {samples(current)}, global batch {current['global_batch']}, {lr_label} {lr:.1e}"
         )
     batch_note = (
         "(unchanged)" if previous["global_batch"] == current["global_batch"] else f"(was {previous['global_batch']})"
@@ -231,10 +242,11 @@ def resize_line(
     if all(previous[key] == current[key] for key in ("world_size", "accumulation_steps", "per_rank_samples")):
         return (  # a restart at the same size (a kill, a resume): nothing was resized
             f"{who} {current['world_size']}{fixed} (as before): accumulation {current['accumulation_steps']}, "
-            f"{per} {samples(current)}, global batch {current['global_batch']} {batch_note}, lr {lr:.1e} {lr_note}"
+            f"{per} {samples(current)}, global batch {current['global_batch']} {batch_note}, "
+            f"{lr_label} {lr:.1e} {lr_note}"
         )
     return (
         f"{who} {previous['world_size']} -> {current['world_size']}{fixed}: accumulation "
         f"{previous['accumulation_steps']} -> {current['accumulation_steps']}, {per} {samples(previous)} -> "
-        f"{samples(current)}, global batch {current['global_batch']} {batch_note}, lr {lr:.1e} {lr_note}"
+        f"{samples(current)}, global batch {current['global_batch']} {batch_note}, {lr_label} {lr:.1e} {lr_note}"
     )

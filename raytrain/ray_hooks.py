@@ -29,7 +29,7 @@ from ray.train.v2.api.exceptions import ControllerError
 
 from raytrain.console import DETAIL_PREFIX, append_line, counted, output
 from raytrain.errors import UserCodeError
-from raytrain.failures import Signature, frames_of, is_storage_error, signature, traceback_of
+from raytrain.failures import Signature, is_storage_error, signature, traceback_of, with_frames
 from raytrain.start_watch import mark_began
 
 
@@ -69,8 +69,7 @@ class StopRepeatedUserErrors(WorkerGroupCallback):
 def user_code_error(message: str, error: BaseException) -> UserCodeError:
     """The `UserCodeError` for a worker's marked `error`: `message`, then the user's frames the worker rendered
     (file, line, code); the whole traceback rides along as its `worker_traceback` attribute, for raytrain.log."""
-    frames = frames_of(error)
-    stopped = UserCodeError(f"{message}\n{frames}" if frames else message)
+    stopped = UserCodeError(with_frames(message, error))
     stopped.worker_traceback = traceback_of(error)  # type: ignore[attr-defined]
     return stopped
 

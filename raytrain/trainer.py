@@ -785,7 +785,9 @@ class ElasticTrainer:
             else:
                 data = IndexedData.from_dataset(train, spec.loop.id_column, self.required_columns)
             steps_per_epoch(data.num_rows, spec.batch.global_batch, spec.batch.drop_last)  # drop_last: B <= N
-            say(describe_run_length(data.num_rows, spec.batch.global_batch, spec.batch.drop_last, spec.loop))
+            if resume_from is None and (spec.cluster.recovery == "live" or storage.newest_checkpoint() is None):
+                # a fresh start; a restart-mode resume says its run length after its decisions (the worker's line)
+                say(describe_run_length(data.num_rows, spec.batch.global_batch, spec.batch.drop_last, spec.loop))
             head = data.head(1000)
             check_numeric_columns(head, self.required_columns)
             self.check_loss_fn({name: column[:2] for name, column in head.items()})

@@ -13,6 +13,7 @@ script run from anywhere, a module of the user's installed in editable mode.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import sysconfig
@@ -22,7 +23,9 @@ RAYTRAIN_DIR = os.path.dirname(os.path.abspath(__file__))
 SHOWN_FRAMES = 3  # the innermost frames of the user's shown; the log holds all of them
 
 
+@functools.cache
 def _library_dirs() -> tuple[str, ...]:
+    """The Python installation's and the environments' package directories, each ending in a separator."""
     paths = sysconfig.get_paths()
     found = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
     found.update(p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages"))

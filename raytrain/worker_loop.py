@@ -471,7 +471,7 @@ def start_run(job: WorkerJob) -> Run:
     fresh = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps)
     stored = ScheduleClock.from_dict(state.schedule) if state.schedule else fresh
     clock = stored.resumed(state.step, fresh)
-    note = describe_schedule_on_resume(stored, clock, state.step)
+    note = describe_schedule_on_resume(stored, clock, state.step, total_steps) if restored else None
     if note:
         log.print(note)
     run = Run(

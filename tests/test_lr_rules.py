@@ -121,10 +121,15 @@ def test_the_schedule_continues_when_a_resume_changes_the_runs_length() -> None:
 
     assert factor(resumed, 3) == pytest.approx(factor(first, 3))  # continuous at the resume point
     assert factor(resumed, 6) == pytest.approx(0.0)  # and ends with the run
-    assert describe_schedule_on_resume(first, resumed, 3) == (
-        "the run now ends at step 6 (was 8): the LR schedule continues from schedule step 3 of 8 at step 3 and "
-        "reaches its end at step 6"
+    assert describe_schedule_on_resume(first, resumed, 3, 6) == (
+        "run length: resumed at step 3, the run now ends at step 6 (was 8): the LR schedule continues from schedule "
+        "step 3 of 8 and reaches its end at step 6"
     )
+    assert (
+        describe_schedule_on_resume(first, first, 3, 8)
+        == "run length: resumed at step 3, the run ends at step 8 (as before)"
+    )
+    assert describe_schedule_on_resume(first, first, 3, None) is None  # streaming without max_steps: unknown
     # The same end, or a length fixed in steps (decay_steps, max_steps): nothing re-anchored.
     assert first.resumed(3, ScheduleClock(total=8, end=8)) is first
     fixed = ScheduleClock(total=20, end=None)

@@ -53,12 +53,13 @@ def test_resize_line_names_both_sizes_and_the_unchanged_batch_and_lr() -> None:
     line = resize_line(three, two, 3e-3, 3e-3)
     assert line == (
         "world 3 -> 2: accumulation 1 -> 2, samples/rank [32,32,32] -> [48,48], global batch 96 (unchanged), "
-        "lr 3.0e-03 (unchanged)"
+        "peak lr 3.0e-03 (unchanged)"
     )
     assert resize_line(None, three, 3e-3, None).startswith("world 3: accumulation 1")
     # a restart at the same size and batch resized nothing, and says so; a new batch at the same size shows arrows
     assert resize_line(two, two, 3e-3, 3e-3) == (
-        "world 2 (as before): accumulation 2, samples/rank [48,48], global batch 96 (unchanged), lr 3.0e-03 (unchanged)"
+        "world 2 (as before): accumulation 2, samples/rank [48,48], global batch 96 (unchanged), peak lr 3.0e-03 "
+        "(unchanged)"
     )
     bigger = plan_batch(192, 32, 2).to_dict()
     assert resize_line(two, bigger, 6e-3, 3e-3).startswith("world 2 -> 2: accumulation 2 -> 3")
@@ -109,6 +110,16 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
         log.step(metrics, [step], shown=["ema_norm", "note"] if step == 3 else ())
     log.start(restored_step=3, event={**event, "step": 3})  # a restart from the step-3 checkpoint
     log.finish({"steps": 5, "val_loss": 0.25})
+    fresh = Rank0Log(0, str(tmp_path / "again"), audit=False, log_every=100)
+    for _ in range(2):  # a second start from step 0 (the first ended before its first checkpoint): no "as before"
+        fresh.start(restored_step=0, event=event)
+    fresh.close()
+    again = (tmp_path / "again" / LOG_FILE).read_text().splitlines()
+    assert again == [
+        "[raytrain] world 2: accumulation 1, samples/rank [4,4], global batch 8, peak lr 1.0e-01, strategy ddp",
+        "[raytrain] world 2: accumulation 1, samples/rank [4,4], global batch 8, peak lr 1.0e-01, strategy ddp, "
+        "from step 0 (no checkpoint to resume from)",
+    ], again
     log.close()
     said = (tmp_path / LOG_FILE).read_text().splitlines()
     (restart,) = [line for line in said if line.endswith(", strategy ddp, resumed at step 3")]
@@ -377,6 +388,47 @@ def test_a_bug_in_the_users_project_is_shown_by_its_files_and_lines(tmp_path: Pa
     long = ValueError("word " * 60)
     shown = describe_error(long)
     assert shown.endswith("word ...") and len(shown) < 180, shown
+
+
+def test_the_drivers_checks_of_the_users_functions_show_their_file_and_line(tmp_path: Path) -> None:
+    """model_fn, optimizer_fn, lr_schedule_fn and units_fn of a user's file, each raising: the driver's check
+    fails with one line naming the function and the error, then the user's file, line and code under it."""
+    import importlib
+    import sys
+
+    import torch
+
+    from raytrain import preflight
+    from raytrain.errors import ConfigError
+
+    (tmp_path / "bugs_job.py").write_text(
+        "import torch\n"
+        "def model():\n    return torch.nn.Linear(3, 'four')\n"
+        "def optimizer(params, lr):\n    return torch.optim.AdamW(params, lr=lr, betas=0.9)\n"
+        "def schedule(step, total):\n    return step / (total - total)\n"
+        "def units(model):\n    return model.blocks\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        job = importlib.import_module("bugs_job")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("bugs_job", None)
+    linear = torch.nn.Linear(3, 4)
+    checks = [
+        (lambda: preflight.build_model_for_check(job.model), "model_fn model raised TypeError", 3),
+        (lambda: preflight.check_optimizer_fn(job.optimizer, linear, 0.1, "ddp"), "optimizer_fn optimizer raised", 5),
+        (lambda: preflight.check_lr_schedule_fn(job.schedule, 10), "lr_schedule_fn schedule(0, 10) raised Zero", 7),
+        (lambda: preflight.check_units_fn(job.units, linear), "units_fn units raised AttributeError", 9),
+    ]
+    for check, first, line in checks:
+        with pytest.raises(ConfigError) as caught:
+            check()
+        shown = str(caught.value).splitlines()
+        assert shown[0].startswith(first), shown
+        user = [i for i, text in enumerate(shown) if text.startswith(f'  File "{tmp_path / "bugs_job.py"}"')]
+        assert len(user) == 1 and shown[user[0]].endswith(f", line {line}, in {first.split()[1].split('(')[0]}"), shown
+        assert shown[user[0] + 1].startswith("    return "), shown
 
 
 def test_a_token_clusters_refusal_names_what_is_missing_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -206,7 +206,8 @@ def test_checkpoints_on_s3_are_listed_verified_and_damage_is_named(tmp_path: Pat
 def test_uncommitted_checkpoints_on_s3_are_removed_and_older_ones_are_candidates(s3: Any) -> None:
     """What a restart does on object storage (no Ray): the checkpoints after Ray's latest committed one are
     deleted from the bucket, a save cut short after it (no train state: Ctrl-C or a lost node mid-save) too; one
-    cut short before it is not ours to judge and stays; the candidates to load are the latest, then the older ones, newest first."""
+    cut short before it is not ours to judge and stays; the candidates to load are the latest, then the older
+    ones, newest first."""
     import torch
     from torch import nn
 

@@ -184,7 +184,7 @@ class LiveLog:
         }
         if self.plan is not None and plan["world_size"] != self.plan["world_size"]:
             layout = {"dp": plan["world_size"], "tp": self.tp, "pp": 1}
-            line = resize_line(self.plan, plan, metrics["lr"], self.lr, layout)
+            line = resize_line(self.plan, plan, metrics["lr"], self.lr, layout, lr_label="lr")  # the step's own
             self.log.print(f"live: step {metrics['step']}: {line} (no restart)")
         self.plan, self.lr = plan, metrics["lr"]
         self.log.step(metrics, ids)
