@@ -63,8 +63,12 @@ def verbose() -> bool:
 
 
 def quiet_ray_logging() -> None:
-    """Ray's driver-side loggers at WARNING (unless `verbose()`); call before starting or joining Ray."""
+    """Ray's driver-side loggers at WARNING (unless `verbose()`); call before starting or joining Ray. Imports
+    Ray Data first: its import configures the "ray.data" logger (DEBUG, an INFO handler on stderr), which set after
+    this printed `INFO streaming_executor ...` lines each time the driver read a dataset."""
     if not verbose():
+        import ray.data  # noqa: F401  # its logging configuration, done now, before the levels below
+
         for name in ("ray", "ray.data", "ray.train"):
             logging.getLogger(name).setLevel(logging.WARNING)
         # "Progress bars disabled" (a warning) each time the driver executes a dataset: raytrain disabled them

@@ -134,12 +134,29 @@ def check_loss_fn(
             raise _loss_error(loss_fn, cpu_err, rows, columns) from None
     if not isinstance(losses, torch.Tensor) or losses.dim() != 1 or losses.shape[0] != rows:
         got = f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor) else type(losses).__name__
+        shape = tuple(losses.shape) if isinstance(losses, torch.Tensor) else None
         raise ConfigError(
             f"{_named('loss_fn', loss_fn)} must return one loss per sample, a tensor of shape [{rows}] for {rows} "
-            f"samples, got {got} (raytrain sums and normalises them itself: return e.g. "
-            "F.cross_entropy(..., reduction='none'), not a mean)"
+            f"samples, got {got} ({loss_shape_hint(shape, rows)})"
         )
     return ""
+
+
+def loss_shape_hint(shape: tuple[int, ...] | None, rows: int) -> str:
+    """Pure: what to change in a loss function that returned a tensor of `shape` (None: not a tensor) for `rows`
+    samples instead of one loss per sample."""
+    if shape is not None and len(shape) >= 2 and shape[0] == rows:
+        hint = (
+            "one row per sample holding several numbers, e.g. one per token: reduce each sample's row, e.g. "
+            "losses.mean(dim=1), or losses.flatten(1).mean(1) for more dimensions"
+        )
+        if len(shape) == 2 and shape[1] == rows:
+            hint += (
+                f"; a [{rows}, {rows}] tensor is also what predictions of shape [{rows}] against targets of shape "
+                f"[{rows}, 1] broadcast to: give both the same shape"
+            )
+        return hint
+    return "raytrain sums and normalises them itself: return e.g. F.cross_entropy(..., reduction='none'), not a mean"
 
 
 def find_conditional_modules(

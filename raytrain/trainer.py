@@ -771,12 +771,11 @@ class ElasticTrainer:
             append_line(run_dir, f"[raytrain] {waiting}")
         train = self.datasets["train"]
         val_set = self.datasets.get("val")
-        if isinstance(val_set, ParquetSource):  # small by nature: materialized like a Ray dataset
-            import ray.data
-
-            fs, files = val_set.resolve()
-            val_set = ray.data.read_parquet(files, filesystem=fs)
-        val = IndexedData.from_dataset(val_set, None, self.required_columns) if val_set is not None else None
+        val: IndexedData | None = None
+        if isinstance(val_set, ParquetSource):  # small by nature: read whole on the driver, in place
+            val = IndexedData.from_parquet(*val_set.resolve(), self.required_columns)
+        elif val_set is not None:
+            val = IndexedData.from_dataset(val_set, None, self.required_columns)
         trainer_datasets: dict[str, Any] = {}
         if isinstance(train, ParquetSource) or spec.loop.deterministic:
             data: ParquetIndex | IndexedData

@@ -32,8 +32,22 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def test_dry_run_prints_the_plan_for_every_world_size_and_starts_nothing(tmp_path: Path, head: dict[str, str]) -> None:
-    result = run_cli("fit", EXAMPLE, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"), env=head)
+    """The example with its validation set as Parquet files (read by Ray Data on the driver): the plan, and no
+    line of Ray's (its `INFO streaming_executor ...` lines came with every read)."""
+    from raytrain.toy import write_regression_parquet
+
+    write_regression_parquet(tmp_path / "val", 320, features=16, files=2, seed=1)
+    (tmp_path / "val_entry.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(REPO / 'examples')!r})\n"
+        "from fit_entry import loss, model, optimizer, tp_plan  # noqa: F401\n"
+        "from raytrain.toy import regression_dataset\n\n"
+        "def datasets():\n"
+        f"    return {{'train': regression_dataset(3200, features=16, seed=0), 'val': {str(tmp_path / 'val')!r}}}\n"
+    )
+    job = write(tmp_path, Path(EXAMPLE).read_text().replace('"fit_entry.py:', '"val_entry.py:'))
+    result = run_cli("fit", job, "--dry-run", "--workers", "2:3", "--storage", str(tmp_path / "runs"), env=head)
     assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if not line.startswith("[raytrain] ")] == [], result.stderr
     assert "world 2: accumulation 2, samples/rank [32,32]" in result.stdout
     assert "world 3: accumulation 2, samples/rank [22,21,21]" in result.stdout
     assert "zero3" in result.stdout and "strategy: ddp" in result.stdout

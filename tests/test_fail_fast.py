@@ -37,12 +37,22 @@ def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return mean_loss(model, batch)
 
 
+def per_feature_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["x"]).unsqueeze(1) - batch["x"][:, :3]) ** 2  # [n, 3]: per token, per feature, ...
+
+
+def broadcast_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return (model(batch["x"]) - batch["y"].unsqueeze(1)) ** 2  # predictions [n] against targets [n, 1]: [n, n]
+
+
 @pytest.mark.parametrize(
     ("loss_fn", "message"),
     [
         (mean_loss, r"loss_fn mean_loss must return one loss per sample, a tensor of shape \[2\] .* got shape \(\)"),
         (reads_a_missing_column, r"loss_fn reads_a_missing_column raised KeyError: 'label' on a batch of 2 samples"),
         (loss_fn, r"^loss_fn must return one loss per sample"),  # a function named as its role: named once
+        (per_feature_loss, r"got shape \(2, 3\) \(one row per sample .* losses.mean\(dim=1\)"),
+        (broadcast_loss, r"got shape \(2, 2\) \(one row per sample .*; a \[2, 2\] tensor is also .* broadcast to"),
     ],
 )
 def test_the_loss_is_checked_on_real_samples_on_the_driver(loss_fn, message: str) -> None:  # type: ignore[no-untyped-def]

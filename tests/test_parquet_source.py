@@ -309,6 +309,11 @@ def test_bad_sources_are_named(tmp_path: Path) -> None:
     write_regression_parquet(tmp_path / "data", 10, files=1)
     with pytest.raises(ConfigError, match=r"no column\(s\) \['label'\]"):
         ParquetSource(tmp_path / "data").index(("x", "label"), None)
+    every = ParquetSource(tmp_path / "data").index((), "id").columns  # no required_columns: every column, id too
+    assert set(every) >= {"x", "y", "id"} and ParquetSource(tmp_path / "data").index(("x",), "id").columns == (
+        "x",
+        "id",
+    )
     assert isinstance(as_source(str(tmp_path / "data")), ParquetSource)
     assert as_source(42) == 42
 

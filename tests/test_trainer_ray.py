@@ -11,8 +11,16 @@ from ray_helpers import ROWS, make_trainer, read_jsonl
 
 from raytrain.config import BatchConfig, ClusterConfig, LoopConfig, LRConfig, ParallelConfig
 from raytrain.console import LOG_FILE
+from raytrain.data.parquet import ParquetSource
 from raytrain.errors import ConfigError
-from raytrain.toy import block_mlp_factory, inverse_sqrt_schedule, mlp_factory, regression_dataset, sgd, squared_error
+from raytrain.toy import (
+    block_mlp_factory,
+    inverse_sqrt_schedule,
+    mlp_factory,
+    sgd,
+    squared_error,
+    write_regression_parquet,
+)
 from raytrain.trainer import ElasticTrainer
 
 pytestmark = pytest.mark.ray
@@ -25,7 +33,8 @@ def test_fit_end_to_end_writes_one_metrics_line_per_step(
     monkeypatch.setattr("raytrain.start_watch.SAY_AFTER_S", 0.0)
     monkeypatch.setattr("raytrain.start_watch.REPEAT_S", 0.5)
     trainer = make_trainer(tmp_path, "e2e", workers=2, audit=True, every=4)
-    trainer.datasets["val"] = regression_dataset(25, seed=1)
+    write_regression_parquet(tmp_path / "val", 25, seed=1, files=2, row_group=8)  # read whole on the driver
+    trainer.datasets["val"] = ParquetSource(tmp_path / "val")  # (README's snippet validates on a Ray dataset)
     result = trainer.fit()
     log = (Path(result.run_dir) / LOG_FILE).read_text().splitlines()
     said = [i for i, line in enumerate(log) if "Ray Train's controller" in line and "has not begun the run" in line]

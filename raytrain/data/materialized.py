@@ -67,6 +67,26 @@ class IndexedData:
         by_id = np.argsort(ids, kind="stable")
         return cls(refs, int(ids.size), ids[by_id].astype(np.int64), tuple(schema_names), by_id)
 
+    @classmethod
+    def from_parquet(cls, fs: Any, files: Sequence[str], required_columns: Sequence[str] = ()) -> IndexedData:
+        """Read Parquet `files` (on the pyarrow filesystem `fs`) with pyarrow on the driver, the `required_columns`
+        (every column when none is named), into one block in the object store, ids 0..N-1 in file order: a
+        validation set, small by nature, without a Ray Data job (its start took 3-7 s of a dry run). `ConfigError`
+        naming a missing column or an empty set."""
+        import pyarrow.parquet as pq
+        import ray
+
+        dataset = pq.ParquetDataset(list(files), filesystem=fs)
+        names = list(dataset.schema.names)
+        missing = [c for c in required_columns if c not in names]
+        if missing:
+            raise ConfigError(f"validation dataset has no column(s) {missing}; its columns are {names}")
+        table = dataset.read(columns=list(required_columns) or None, use_threads=True)
+        if table.num_rows == 0:
+            raise ConfigError(f"validation dataset {list(files)[:3]} holds no rows")
+        rows = np.arange(table.num_rows, dtype=np.int64)
+        return cls((ray.put(table),), int(table.num_rows), rows, tuple(table.column_names), rows)
+
     def head(self, rows: int) -> dict[str, np.ndarray]:
         """The first `rows` rows of the first block as numpy columns (on the driver, for checks)."""
         import ray

@@ -147,7 +147,7 @@ class ParquetSource:
             raise ConfigError(f"training data has no column(s) {missing}; its columns are {names}")
         if not chunk_rows:
             raise ConfigError(f"training data {files[:3]} holds no rows")
-        columns = wanted or tuple(names)
+        columns = wanted if required_columns else tuple(names)  # none named: every column (the id one too)
         return ParquetIndex(
             filesystem=fs,
             files=tuple(files),
@@ -208,7 +208,7 @@ class ParquetIndex:
     chunk_group: np.ndarray  # row group number within its file
     chunk_rows: np.ndarray
     chunk_bytes: np.ndarray  # uncompressed size from the footer
-    columns: tuple[str, ...]  # the columns read (the required ones and the id column)
+    columns: tuple[str, ...]  # the columns read: the required ones and the id column; every one when none required
     id_column: str | None
     window_chunks: int
     partitions: int  # canonical partitions used (`effective_partitions`: <= the row groups, divides the batch)
