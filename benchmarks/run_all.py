@@ -57,6 +57,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "recovery": ["recovery.py"],  # its headline holds the live figures too (`recovery.py --live-only`: those alone)
     "goodput": ["goodput.py"],
     "goodput_node": ["goodput.py", "--events", "node"],
+    "startup": ["startup.py", "--reps", "1"],
 }
 GPU_BENCHMARKS: dict[str, list[str]] = {"gpu_check": ["gpu_check.py"], "gpu": ["gpu.py"]}
 # name -> the arguments `run_all.py --quick` adds to a script's `--quick` where that runs several loops: the smoke
