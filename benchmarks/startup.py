@@ -35,7 +35,7 @@ from _common import machine_line, median, print_headline, read_jsonl, table
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "fit_mlp.toml"
 
-BARE = r'''
+BARE = r"""
 import os, sys, time
 sys.path.insert(0, os.path.join(sys.argv[1], "examples"))
 import ray, torch
@@ -71,7 +71,7 @@ TorchTrainer(
     scaling_config=ScalingConfig(num_workers=2),
     run_config=RunConfig(storage_path=sys.argv[3], name="bare"),
 ).fit()
-'''
+"""
 
 RAY_START = r"""
 from raytrain.trainer import connect_ray

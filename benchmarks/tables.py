@@ -58,7 +58,12 @@ ROWS: list[tuple[str, str, str, tuple[str, float] | None]] = [
         "of it: in the worker, training function entered -> first step, s",
         None,
     ),
-    ("startup", "dry_run_s", "`raytrain fit` README example `--dry-run`: launch -> exit, fresh process, s", ("<=", 10.0)),
+    (
+        "startup",
+        "dry_run_s",
+        "`raytrain fit` README's example `--dry-run`: launch -> exit, fresh process, s",
+        ("<=", 10.0),
+    ),
     ("startup", "ray_start_s", "a process that starts a local Ray instance and exits: the floor, s", None),
     (
         "startup",
