@@ -1,6 +1,7 @@
 """python benchmarks/tables.py [RESULTS.json]
 
-Writes the headline table between the `benchmark-table` markers of README.md and benchmarks/README.md: from the
+Writes the table between the `benchmark-table` markers of benchmarks/README.md, and its rows with a goal in
+README.md's: from the
 results file given (`run_all.py`'s), or by default each benchmark from the newest full (not --quick) results file
 in benchmarks/results/ in which it ran (so `run_all.py --only NAME` renews that benchmark's rows), the header
 naming every file used with its date, commit and repetitions. Each
@@ -321,9 +322,10 @@ def noise_note(figures: dict[str, Any], key: str, bound: float) -> str:
     return f" (within noise: A/A `{control}` {_number(low)}-{_number(high)})"
 
 
-def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
+def render(results: dict[str, Any], name: str, head: str | None = None, goals_only: bool = False) -> str:
     """The markdown table of `results` (a run_all.py results file named `name`, or with `head` the merged
-    results of `newest_per_benchmark`)."""
+    results of `newest_per_benchmark`); `goals_only` (README's): the figures with a goal, and a line pointing to
+    benchmarks/README.md for the rest."""
     if head is None:
         machine = results["machine"]
         head = (
@@ -332,10 +334,14 @@ def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
             f"GB, GPU: {machine.get('gpu') or 'none'}; torch {machine.get('torch')}, ray {machine.get('ray')}):"
         )
     lines = [head, "", "| figure | median (min-max) | goal |", "|---|---|---|"]
+    left_out = 0
     for bench, key, what, goal in ROWS:
         figures = results["benchmarks"].get(bench, {}).get("figures", {})
         figure = figures.get(key)
         if figure is None:
+            continue
+        if goals_only and goal is None:
+            left_out += 1
             continue
         spread = "" if figure["min"] == figure["max"] else f" ({_number(figure['min'])}-{_number(figure['max'])})"
         verdict = "-"
@@ -345,6 +351,8 @@ def render(results: dict[str, Any], name: str, head: str | None = None) -> str:
             met = worst <= bound if op == "<=" else worst >= bound
             verdict = f"{op} {_number(bound)}: {'met' if met else '**missed**'}{noise_note(figures, key, bound)}"
         lines.append(f"| {what} (`{key}`) | {_number(figure['median'])}{spread} | {verdict} |")
+    if left_out:
+        lines += ["", f"{left_out} more figures (the baselines, A/A controls and parts): benchmarks/README.md."]
     failed = [b for b, v in results["benchmarks"].items() if v.get("failed")]
     if failed:
         lines += ["", f"Runs that failed (see the results file): {', '.join(failed)}."]
@@ -365,12 +373,13 @@ def main() -> None:
     in."""
     if len(sys.argv) > 1:
         path = Path(sys.argv[1])
-        table = render(json.loads(path.read_text()), path.name)
+        results, name, head = json.loads(path.read_text()), path.name, None
     else:
-        merged, head = newest_per_benchmark(results_files())
-        table = render(merged, "", head)
-    for target in (ROOT / "README.md", HERE / "README.md"):
-        write_between_markers(target, table)
+        results, head = newest_per_benchmark(results_files())
+        name = ""
+    table = render(results, name, head)
+    write_between_markers(ROOT / "README.md", render(results, name, head, goals_only=True))
+    write_between_markers(HERE / "README.md", table)
     print(table)
 
 

@@ -86,6 +86,24 @@ def run_storage(checkpoint: CheckpointConfig, filesystem: Any = None) -> RunStor
     return RunStorage(filesystem, posixpath.join(root, checkpoint.run_name), f"{base}/{checkpoint.run_name}")
 
 
+RUN_OUTPUTS_IGNORE = (
+    "# raytrain created this directory for run outputs (checkpoints, logs): kept out of git, and out of\n"
+    "# `ray job submit --working-dir .` uploads (Ray honours .gitignore files)\n*\n"
+)
+
+
+def keep_out_of_uploads(storage_path: str) -> bool:
+    """Create the local directory `storage_path` with a `.gitignore` of `*` in it when it does not exist yet, so
+    a project that keeps its runs inside (the default `./raytrain_runs`) neither commits them nor uploads them with
+    `ray job submit --working-dir .`; True when created. A directory that exists is the user's: left untouched."""
+    if os.path.exists(storage_path):
+        return False
+    os.makedirs(storage_path, exist_ok=True)
+    with open(os.path.join(storage_path, ".gitignore"), "w") as f:
+        f.write(RUN_OUTPUTS_IGNORE)
+    return True
+
+
 def check_writable(storage: RunStorage) -> None:
     """Raise `ConfigError` naming the URI unless a file can be written into, and deleted from, the run's
     directory on object storage (a missing bucket, wrong credentials or an unreachable endpoint fail here, in

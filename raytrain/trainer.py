@@ -253,9 +253,18 @@ def local_cpus(spec: TrainSpec) -> int:
     return math.ceil(spec.cluster.max_workers * spec.cluster.resources_per_worker.get("CPU", 1.0)) + 1
 
 
-def local_cpus_reason(spec: TrainSpec) -> str:
-    """What `local_cpus(spec)` makes room for, as `connect_ray`'s one line says it: "2 workers and Ray Data"."""
-    return f"{counted(spec.cluster.max_workers, 'worker')} and Ray Data"
+def local_cpus_reason(spec: TrainSpec, cores: int | None = None) -> str:
+    """What `local_cpus(spec)` makes room for, as `connect_ray`'s one line says it: "2 workers and Ray Data"; with
+    more workers than this machine's `cores` (default: `os.cpu_count()`), that they take turns on them."""
+    workers = spec.cluster.max_workers
+    cores = cores or os.cpu_count() or 1
+    said = f"{counted(workers, 'worker')} and Ray Data"
+    if workers > cores:
+        said += (
+            f"; {workers} workers take turns on {counted(cores, 'core')}: slower than {counted(cores, 'worker')} "
+            "would be, the same training"
+        )
+    return said
 
 
 def connect_ray(local_cpus: int = 1, reason: str = "", dashboard: bool = True, quiet: bool = True) -> None:
@@ -739,7 +748,11 @@ class ElasticTrainer:
         """Run training to the end (or until failures exceed `max_failures`); blocks. Starts a local Ray
         instance when none is connected (`RAY_ADDRESS` or `ray.init` elsewhere connects to a cluster). Holds the
         run directory's lock (`raytrain.run_lock`) throughout: the same run started again meanwhile refuses."""
+        from raytrain.storage import keep_out_of_uploads
+
         run_dir, storage = check_storage(self.spec, self.storage_filesystem)
+        if self.spec.checkpoint.is_local:
+            keep_out_of_uploads(self.spec.checkpoint.storage_path)
         with run_lock(run_dir):
             return self._fit(run_dir, storage)
 

@@ -153,6 +153,27 @@ def test_timeline_shades_retrained_steps_recoveries_and_marks_unplanned_restarts
     assert line.unplanned == [(100.0, 2)]
 
 
+def test_the_local_start_line_says_when_workers_outnumber_the_cores() -> None:
+    from types import SimpleNamespace
+
+    from raytrain.config import ClusterConfig
+    from raytrain.trainer import local_cpus_reason
+
+    spec = SimpleNamespace(cluster=ClusterConfig(min_workers=1, max_workers=5))
+    assert local_cpus_reason(spec, cores=8) == "5 workers and Ray Data"  # type: ignore[arg-type]
+    assert local_cpus_reason(spec, cores=2) == (  # type: ignore[arg-type]
+        "5 workers and Ray Data; 5 workers take turns on 2 cores: slower than 2 workers would be, the same training"
+    )
+
+
+def test_plot_labels_of_close_events_stack_instead_of_overlapping() -> None:
+    from raytrain.cli.demo import label_rows
+
+    # kill@20, remove@22, drain@25, add@60 on 240 steps: the three close ones in rows 0-2, the far one back in row 0
+    assert label_rows([20.0, 22.0, 25.0, 60.0], 240.0) == [0, 1, 2, 0]
+    assert label_rows([60.0, 20.0], 240.0) == [0, 0] and label_rows([], 1.0) == []
+
+
 def test_demo_warns_about_settings_that_cannot_take_effect() -> None:
     from raytrain.cli.demo import DemoOptions
 
@@ -268,6 +289,14 @@ def test_steps_without_epochs_train_the_steps_and_both_say_which_ends_the_run() 
     assert describe_run_length(79 * 16, 16, False, LoopConfig(epochs=3, max_steps=100)) == (
         "run length: max_steps=100 ends the run in epoch 1 (of epochs 0-2, counted from 0 as the metrics count them; "
         "79 steps per epoch)"  # step 100 is in the second epoch, which metrics.jsonl and "done: last epoch" call 1
+    )
+    # 1,000 rows at B = 128: 7 full steps and one of 104 (the line says so, and what drop_last would do)
+    assert describe_run_length(1000, 128, False, LoopConfig(epochs=2)) == (
+        "run length: 2 epoch(s) of 8 steps, 16 steps; each epoch's last step trains the 104 samples left, not 128, "
+        "at the step's LR (drop_last=False; drop_last=True leaves them out)"
+    )
+    assert describe_run_length(1000, 128, True, LoopConfig(epochs=2)).endswith(
+        "7 steps, 14 steps; each epoch leaves out 104 of its 1000 samples (drop_last=True; a reshuffle picks others)"
     )
     assert (
         describe_run_length(79 * 16, 16, False, LoopConfig(epochs=2)) == "run length: 2 epoch(s) of 79 steps, 158 steps"
@@ -429,6 +458,30 @@ def test_the_drivers_checks_of_the_users_functions_show_their_file_and_line(tmp_
         user = [i for i, text in enumerate(shown) if text.startswith(f'  File "{tmp_path / "bugs_job.py"}"')]
         assert len(user) == 1 and shown[user[0]].endswith(f", line {line}, in {first.split()[1].split('(')[0]}"), shown
         assert shown[user[0] + 1].startswith("    return "), shown
+
+
+def test_the_runs_directory_raytrain_creates_stays_out_of_a_working_dir_upload(tmp_path: Path) -> None:
+    """`ray job submit --working-dir .` of a project whose runs went to the default `./raytrain_runs`: Ray's own
+    packaging walk (the one that builds the upload) leaves the runs out, as git does; a directory that existed
+    before raytrain (here the project itself) gets no file of raytrain's."""
+    from ray._private.runtime_env.packaging import _dir_travel
+
+    from raytrain.storage import keep_out_of_uploads
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "entry.py").write_text("x = 1\n")
+    assert keep_out_of_uploads(str(project / "raytrain_runs")) is True
+    checkpoint = project / "raytrain_runs" / "run" / "checkpoint_2026-12-07_10-00-00.000000"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "__0_0.distcp").write_bytes(b"x" * 1024)
+    uploaded: list[str] = []
+    _dir_travel(project, [], lambda path: uploaded.append(str(path.relative_to(project))), include_gitignore=True)
+    assert "entry.py" in uploaded and not any(p.startswith("raytrain_runs/") for p in uploaded), uploaded
+    assert keep_out_of_uploads(str(project)) is False and sorted(p.name for p in project.iterdir()) == [
+        "entry.py",
+        "raytrain_runs",
+    ]
 
 
 def test_a_token_clusters_refusal_names_what_is_missing_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -685,6 +685,20 @@ def node_counts(history: list[dict[str, Any]], t0: float) -> tuple[list[float], 
     return times, counts
 
 
+def label_rows(positions: list[float], span: float, gap: float = 0.1) -> list[int]:
+    """Pure: the row (0, 1, ...) for each label at x `positions`, so that two labels in one row stand at least
+    `gap` x `span` apart: the lowest such row, in order of x (labels of close events stack instead of overlapping)."""
+    last: list[float] = []  # the x of each row's rightmost label so far
+    rows = [0] * len(positions)
+    for i in sorted(range(len(positions)), key=lambda i: positions[i]):
+        row = next((r for r, x in enumerate(last) if positions[i] - x >= gap * span), len(last))
+        if row == len(last):
+            last.append(positions[i])
+        last[row] = positions[i]
+        rows[i] = row
+    return rows
+
+
 def plot_run(
     run_dir: str, applied: list[AppliedEvent], path: str, node_history: list[dict[str, Any]] | None = None
 ) -> str:
@@ -706,13 +720,15 @@ def plot_run(
     loss_axis.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], color="tab:blue", label="loss")
     for first, last in line.retrained:
         loss_axis.axvspan(first - 0.5, last + 0.5, color="tab:red", alpha=0.15, lw=0)
-    for event in applied:
+    steps = [m["step"] for m in metrics] or [1]
+    rows = label_rows([float(e.applied_step) for e in applied], float(max(steps) - min(steps) + 1))
+    for event, row in zip(applied, rows, strict=True):
         loss_axis.axvline(event.applied_step, color="gray", linestyle="--", linewidth=1)
         loss_axis.annotate(
             event.kind,
             (event.applied_step, 1.0),
             xycoords=("data", "axes fraction"),
-            xytext=(3, -12),
+            xytext=(3, -12 - 11 * row),
             textcoords="offset points",
             fontsize=9,
             color="gray",
@@ -734,22 +750,28 @@ def plot_run(
         world_axis.step(
             node_times, nodes, where="post", color="tab:green", linestyle="--", label="worker nodes (autoscaler)"
         )
-        world_axis.legend(loc="upper right", fontsize=8)
-    for begin, end, kind in line.recoveries:
+    span = max([1.0, *times, *(end for _, end, _ in line.recoveries)])
+    rows = label_rows([begin for begin, _, _ in line.recoveries], span, gap=0.15)
+    for (begin, end, kind), row in zip(line.recoveries, rows, strict=True):
         world_axis.axvspan(begin, end, color="tab:gray", alpha=0.2, lw=0)
         world_axis.annotate(
             f"{kind}: {end - begin:.0f} s",
-            (begin, 0.05),
+            (begin, 0.05 + 0.07 * row),
             xycoords=("data", "axes fraction"),
             fontsize=8,
             color="dimgray",
         )
-    for when, world in line.unplanned:
-        world_axis.plot([when], [world], marker="x", color="tab:red", markersize=9)
+    if line.unplanned:  # drawn, so in the legend; none drawn: no legend entry promising one
+        whens, worlds = zip(*line.unplanned, strict=True)
+        world_axis.plot(
+            whens, worlds, linestyle="none", marker="x", color="tab:red", markersize=9, label="unplanned restart"
+        )
+    if line.unplanned or node_history is not None:
+        world_axis.legend(loc="upper right", fontsize=8)
     world_axis.yaxis.set_major_locator(MaxNLocator(integer=True))
     sizes = [m["world_size"] for m in metrics] + [s["world_size"] for s in starts]
     world_axis.set_ylim(0, max([1, *sizes, *node_counts(node_history or [], 0.0)[1]]) + 1)
-    world_axis.set_xlabel("seconds since the first start (gray: event until training resumed; x: unplanned restart)")
+    world_axis.set_xlabel("seconds since the first start (gray: an event until training resumed)")
     world_axis.set_ylabel("workers")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

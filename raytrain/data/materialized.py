@@ -265,7 +265,12 @@ def run_total_steps(
 
 def describe_run_length(num_rows: int, global_batch: int, drop_last: bool, loop: Any) -> str:
     """Pure: one line saying how long the run is and what ends it, for `loop` (a `LoopConfig`): its epochs, its
-    max_steps, or (both given) whichever comes first, and at which step."""
+    max_steps, or (both given) whichever comes first, and at which step; and, where the global batch does not
+    divide the data set, what each epoch's last step holds (`drop_last`)."""
+    return _run_length(num_rows, global_batch, drop_last, loop) + _last_step(num_rows, global_batch, drop_last)
+
+
+def _run_length(num_rows: int, global_batch: int, drop_last: bool, loop: Any) -> str:
     per_epoch = steps_per_epoch(num_rows, global_batch, drop_last)
     if loop.max_steps is None:
         epochs = loop.epoch_limit
@@ -281,6 +286,18 @@ def describe_run_length(num_rows: int, global_batch: int, drop_last: bool, loop:
     return (
         f"run length: max_steps={loop.max_steps} ends the run in epoch {(loop.max_steps - 1) // per_epoch} "
         f"(of epochs 0-{loop.epochs - 1}, counted from 0 as the metrics count them; {per_epoch} steps per epoch)"
+    )
+
+
+def _last_step(num_rows: int, global_batch: int, drop_last: bool) -> str:
+    left = num_rows % global_batch
+    if not left:
+        return ""
+    if drop_last:
+        return f"; each epoch leaves out {left} of its {num_rows} samples (drop_last=True; a reshuffle picks others)"
+    return (
+        f"; each epoch's last step trains the {left} samples left, not {global_batch}, at the step's LR "
+        "(drop_last=False; drop_last=True leaves them out)"
     )
 
 

@@ -452,17 +452,27 @@ class ParquetSteps:
 
     def _lookahead(self) -> int:
         """Steps to load ahead: as many as loading a step's windows takes at the measured step interval, plus
-        one (re-measured every 10 steps; it never shrinks, as a window loaded ahead and then outside a shorter
-        look-ahead would be dropped and read again; memory stays bounded by the windows-ahead cap of `_prefetch`).
-        A step's windows roll over together (every partition gives the same rows per step), and the one loader
-        thread reads them one after the other."""
-        if not self._intervals or not self.stats.load_s:
-            return 1
-        if self._calls % 10 and self.stats.lookahead:
+        one (measured once 5 step intervals are known, then every 10 steps; it never shrinks, as a window loaded
+        ahead and then outside a shorter look-ahead would be dropped and read again; memory stays bounded by the
+        windows-ahead cap of `_prefetch`). A step's windows roll over together (every partition gives the same
+        rows per step), and the one loader thread reads them one after the other. The first measurement is said
+        in one line with the numbers that gave it."""
+        if len(self._intervals) < 5 or not self.stats.load_s:
+            return max(1, self.stats.lookahead)
+        if self._calls % 10 and self._told:
             return self.stats.lookahead
         interval = float(np.median(self._intervals[-20:]))
-        load = float(np.median(self.stats.load_s[-5:])) * max(1, self._step_windows)
-        return max(self.stats.lookahead, int(min(64, np.ceil(load / max(interval, 1e-4)) + 1)))
+        window = float(np.median(self.stats.load_s[-5:]))
+        wanted = int(min(64, np.ceil(window * max(1, self._step_windows) / max(interval, 1e-4)) + 1))
+        if not self._told:
+            self._told = True
+            windows = max(1, self._step_windows)
+            self.log(
+                f"data prefetch: a window of {self.index.window_chunks} row groups loads in {window:.3f} s, a step "
+                f"reads {windows} window{'s' if windows != 1 else ''} and takes {interval:.3f} s: reading "
+                f"{wanted} step(s) ahead"
+            )
+        return max(self.stats.lookahead, wanted)
 
     def _prefetch(self, epoch: int, sample_in_epoch: int) -> tuple[set[tuple[int, int]], list[tuple[int, int]]]:
         """Start loading the windows of this rank's shares of the current and the next steps (as many steps as
@@ -471,13 +481,6 @@ class ParquetSteps:
         windows are all among them."""
         lookahead = self._lookahead()
         self.stats.lookahead = lookahead
-        if not self._told and len(self._intervals) >= 5 and self.stats.load_s:
-            self._told = True
-            load, step = np.median(self.stats.load_s[-5:]), np.median(self._intervals[-20:])
-            self.log(
-                f"data prefetch: a window of {self.index.window_chunks} row groups loads in {load:.3f} s, a step "
-                f"takes {step:.3f} s: reading {lookahead} step(s) ahead"
-            )
         needed: set[tuple[int, int]] = set()
         covered: list[tuple[int, int]] = []
         position: tuple[int, int] | None = (epoch, sample_in_epoch)
