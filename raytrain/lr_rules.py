@@ -17,18 +17,21 @@ with min = min_lr_ratio * peak, over `total_steps` (the run's length). The facto
 group's own LR, so groups keep their ratios. Because W appears nowhere, a resize never changes the LR; only a
 change of the *global batch* by the user does, and `describe_lr_on_resume` says how.
 
-A resume with another global batch can change the run's length in steps (an epoch of N samples takes N / B steps).
-The schedule is then continued, not restarted or jumped: `ScheduleClock` maps optimizer steps to *schedule
-steps* x. At the first start x = s and the schedule spans the run's `total` steps. When a resume finds the run
-ending at another step, the clock is re-anchored at the resume step: from there x runs linearly from where it was
-to `total` at the new end, so the LR factor at the resume point is the one before it and the decay ends with the
-run. With `decay_steps` or `max_steps` fixing the length in steps, nothing is re-anchored (x = s).
+A resume can change the run's length in steps (more epochs or another `max_steps`; another global batch: an
+epoch of N samples takes N / B steps). The schedule is then continued, not restarted, jumped or stretched:
+`ScheduleClock` maps optimizer steps to *schedule steps* x. At the first start x = s and the schedule spans the
+run's `total` steps. When a resume finds the run ending at another step, the clock is re-anchored at the resume
+step: the warmup still ends at `warmup_steps` (x = s before it), and after it x runs linearly from where it was to
+`total` at the new end, so the LR factor at the resume point is the one before it and the decay ends with the run.
+With `decay_steps` fixing the schedule's length, nothing is re-anchored (x = s). A user's
+`lr_schedule_fn(step, total_steps)` gets the optimizer step and the run's length now, integers: keeping its own
+curve continuous across such a resume is its own.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
 from raytrain.errors import ConfigError
@@ -121,36 +124,52 @@ def describe_lr_on_resume(
 
 @dataclass(frozen=True)
 class ScheduleClock:
-    """Maps optimizer steps to schedule steps (module docstring): x(s) = anchor_x + (s - anchor_step) *
-    (total - anchor_x) / (end - anchor_step), which is s itself until a resume re-anchors it.
+    """Maps optimizer steps to the schedule steps x that `lr_factor` reads (module docstring): x = s until a
+    resume finds the run ending elsewhere. From then on the warmup keeps its steps (x = s below `warmup`) and the
+    decay after it runs linearly from where it was at the resume step to `total` at the new end.
 
     total: the schedule's length in schedule steps (the first start's run length, or `decay_steps`); None when the
         run's length is unknown (streaming without max_steps: only constant schedules run there).
     end: the step at which the run ends now; None when the schedule's length is fixed in steps (`decay_steps`).
+    anchor_step, anchor_x: the resume step that re-anchored the clock, and its schedule step.
+    warmup: the warmup's length in optimizer steps (0 in a record written before it was kept: that clock stretched
+        the warmup with the rest, and goes on doing so).
     """
 
     total: int | None
     end: int | None
     anchor_step: int = 0
     anchor_x: float = 0.0
+    warmup: int = 0
 
     def position(self, step: int) -> float:
         """The schedule step of optimizer step `step` (an int while nothing was re-anchored)."""
-        if self.total is None or self.end is None or self.end <= self.anchor_step:
+        if self.total is None or self.end is None or step < self.warmup:
             return step
-        x = self.anchor_x + (step - self.anchor_step) * (self.total - self.anchor_x) / (self.end - self.anchor_step)
+        start_step, start_x = max(self.anchor_step, self.warmup), max(self.anchor_x, float(self.warmup))
+        if self.end <= start_step:
+            return step
+        x = start_x + (step - start_step) * (self.total - start_x) / (self.end - start_step)
         return int(x) if float(x).is_integer() else x
 
+    def decay_progress(self, step: int) -> float:
+        """How far the decay after warmup has gone at optimizer step `step`, 0 to 1 (0 during warmup)."""
+        if self.total is None or self.total <= self.warmup:
+            return 0.0
+        return min(1.0, max(0.0, (self.position(step) - self.warmup) / (self.total - self.warmup)))
+
     def resumed(self, step: int, fresh: ScheduleClock) -> ScheduleClock:
-        """The clock of a resume at `step` given this run's `fresh` clock (as a first start would lay it out now):
-        the fresh one when the schedule's length is fixed in steps (either clock has no `end`), this one when the
-        run still ends where it did, else this one re-anchored at `step` so that the schedule continues from its
-        position there and ends at the new end."""
+        """The clock of a resume at `step` given this run's `fresh` clock (as a first start would lay it out now,
+        with the warmup configured now): the fresh one when the schedule's length is fixed in steps (either clock
+        has no `end`), this one when the run still ends where it did, else this one re-anchored at `step` so that
+        the decay continues from its position there and ends at the new end (the warmup ends at its step)."""
         if self.end is None or fresh.end is None:
             return fresh
         if fresh.end == self.end:
-            return self
-        return ScheduleClock(total=self.total, end=fresh.end, anchor_step=step, anchor_x=float(self.position(step)))
+            return self if self.warmup == fresh.warmup else replace(self, warmup=fresh.warmup)
+        return ScheduleClock(
+            total=self.total, end=fresh.end, anchor_step=step, anchor_x=float(self.position(step)), warmup=fresh.warmup
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The checkpoint's record of the clock."""
@@ -163,17 +182,22 @@ class ScheduleClock:
 
 
 def describe_schedule_on_resume(
-    before: ScheduleClock, after: ScheduleClock, step: int, total_steps: int | None
+    before: ScheduleClock, after: ScheduleClock, step: int, total_steps: int | None, decaying: bool = True
 ) -> str | None:
     """The one run-length line of a resume at `step`, after its decisions (the driver says the run's length only at
-    a fresh start): where the run ends now (`total_steps`), and, when that moved, where it ended before and how the
-    LR schedule continues. None when the run's length is unknown (streaming without max_steps)."""
+    a fresh start): where the run ends now (`total_steps`), and, when that moved, where it ended before and, for a
+    `decaying` schedule, how far its decay had gone and where the warmup ends. None when the run's length is
+    unknown (streaming without max_steps)."""
     if total_steps is None:
         return None
     if before == after or before.end is None or after.end is None:
         return f"run length: resumed at step {step}, the run ends at step {total_steps} (as before)"
+    line = f"run length: resumed at step {step}, the run now ends at step {after.end} (was {before.end})"
+    if not decaying:
+        return line
+    if step < after.warmup:
+        return f"{line}: warmup ends at step {after.warmup} as set, then the LR decays to its end at step {after.end}"
     return (
-        f"run length: resumed at step {step}, the run now ends at step {after.end} (was {before.end}): the LR "
-        f"schedule continues from schedule step {after.anchor_x:.4g} of {after.total} and reaches its end at step "
-        f"{after.end}"
+        f"{line}: the LR decay continues from {after.decay_progress(step):.0%} of its way at step {step} and "
+        f"reaches its end at step {after.end}"
     )

@@ -151,6 +151,9 @@ class Step:
         `loss` is one loss per sample of the micro-batch (shape [n], `reduction="none"`, the default), or a 0-d
         tensor with `reduction="sum"` (the sum of its per-sample losses) or `"mean"` (their mean; multiplied by
         the micro-batch's n here). A ValueError names the shape otherwise; a mean given as "none" would be wrong.
+        A micro-batch with no sample (the batch plan gives some ranks none, e.g. micro_batch 1 at B = 10, W = 3)
+        adds nothing to the step, whatever its loss is (the mean of no samples is NaN): its backward still runs,
+        so this rank joins the gradient sync.
         """
         batch = self._current
         if batch is None:
@@ -165,6 +168,8 @@ class Step:
             raise ValueError(f"reduction={reduction!r} takes a 0-d loss, got shape {tuple(loss.shape)}")
         else:
             summed = widen(loss) * (rows if reduction == "mean" else 1)
+        if rows == 0:  # the plan gave this rank no sample here: it adds nothing, yet its backward joins the sync
+            summed = torch.nan_to_num(summed, nan=0.0, posinf=0.0, neginf=0.0) * 0.0  # a mean over none is NaN
         fault_point("backward")
         scaled = summed * self._scale
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()

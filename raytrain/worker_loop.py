@@ -175,13 +175,13 @@ class Run:
 
 
 def scheduled_lr(job: WorkerJob, peak_lr: float, clock: ScheduleClock, step: int) -> float:
-    """The peak-relative LR of optimizer step `step` times `peak_lr`: the user's schedule hook, or warmup and the
-    configured schedule, at the step's schedule position (`clock`). Depends on the step and the global batch only;
-    both recovery modes' loops take it from here."""
-    position, total = clock.position(step), clock.total
-    if job.lr_schedule_fn is not None:
-        return peak_lr * float(job.lr_schedule_fn(position, total or 0))  # type: ignore[arg-type]
-    return peak_lr * job.spec.lr.factor(position, total)
+    """The peak-relative LR of optimizer step `step` times `peak_lr`: the user's schedule hook (given the step and
+    the run's length now), or warmup and the configured schedule at the step's schedule position (`clock`).
+    Depends on the step and the global batch only; both recovery modes' loops take it from here."""
+    if job.lr_schedule_fn is not None:  # the optimizer step and the run's length now, both integers
+        length = clock.end if clock.end is not None else clock.total
+        return peak_lr * float(job.lr_schedule_fn(step, length or 0))
+    return peak_lr * job.spec.lr.factor(clock.position(step), clock.total)
 
 
 def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
@@ -468,10 +468,11 @@ def start_run(job: WorkerJob) -> Run:
         log.print(kept)
     total_steps = _total_steps(spec, source, state)
     decay = spec.lr.decay_steps
-    fresh = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps)
+    fresh = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps, warmup=spec.lr.warmup_steps)
     stored = ScheduleClock.from_dict(state.schedule) if state.schedule else fresh
     clock = stored.resumed(state.step, fresh)
-    note = describe_schedule_on_resume(stored, clock, state.step, total_steps) if restored else None
+    decaying = spec.lr.schedule != "constant" and job.lr_schedule_fn is None
+    note = describe_schedule_on_resume(stored, clock, state.step, total_steps, decaying) if restored else None
     if note:
         log.print(note)
     run = Run(

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from raytrain.batch_plan import BatchPlan, plan_batch, split_step
@@ -38,6 +39,7 @@ from raytrain.model_init import materialize, record_build
 from raytrain.optim import build_optimizer, call_optimizer_fn, lr_ratios, set_lr
 from raytrain.parallel.apply import apply_parallelism, gradient_sync, step_policy
 from raytrain.rng import MicroBatchSeeds
+from raytrain.step import Step
 from raytrain.testing.multiprocess import run_world
 from raytrain.worker_loop import train_step
 
@@ -72,6 +74,7 @@ class Case:
     checkpointing: bool = False
     precision: str = "fp32"  # "bf16": a float32 model under bf16 compute, against the fp32 run
     model: str = "mlp"  # or one of IDLE_MODELS
+    reduction: str = ""  # "none" | "sum" | "mean": a user's loop over `Step` handing the loss so (else train_step)
 
     @property
     def name(self) -> str:
@@ -84,6 +87,7 @@ class Case:
         extra += "-ac" if self.checkpointing else ""
         extra += f"-{self.precision}" if self.precision != "fp32" else ""
         extra += f"-{self.model}" if self.model != "mlp" else ""
+        extra += f"-own-loop-{self.reduction}" if self.reduction else ""
         return f"{self.strategy}-W{self.world}-k{self.accumulation}-m{self.cap}-{self.optimizer}-[{sizes}]{extra}"
 
     @property
@@ -118,6 +122,17 @@ MAX_GRAD_NORM = 0.05  # below every step's gradient norm here, so every step cli
 LR_FACTORS = (1.0, 0.6, 0.2)  # a decaying schedule over the three steps
 # B = 12, cap 3: W = 1 cuts 3+3+3+3, W = 2 cuts 3+3 | 3+3 (the same micro-batches), W = 3 cuts 4 per rank otherwise
 DROPOUT = {world: Case("ddp", world, k, 3, (12,) * STEPS, dropout=True) for world, k in ((1, 4), (2, 2), (3, 2))}
+
+
+REDUCTIONS = ("none", "sum", "mean")
+OWN_LOOP_STRATEGIES = ("ddp", "zero3")
+
+
+def _own_loop_case(strategy: str, reduction: str) -> Case:
+    """docs/own_loop.md's loop (`F.mse_loss(..., reduction=...)`, `step.backward(loss, reduction=...)`) with micro
+    batch 1 at W = 3: B = 10 gives ranks [4, 3, 3] samples in 4 micro-steps, so ranks 1 and 2 run an empty one
+    every step, and the last step of 2 samples leaves rank 2 with none at all (a mean over no samples is NaN)."""
+    return Case(strategy, 3, 4, 1, (10, 10, 2), reduction=reduction)
 
 
 def _clip_case(strategy: str, world: int) -> Case:
@@ -160,6 +175,8 @@ def _cases_for_world(world: int) -> list[Case]:
         cases += [_init_case(strategy, world), *_block_cases(strategy, world)]
         if world == 3:
             cases += [_partial_case(strategy, last) for last in PARTIAL_SIZES]
+            if strategy in OWN_LOOP_STRATEGIES:
+                cases += [_own_loop_case(strategy, reduction) for reduction in REDUCTIONS]
     if world == NEGATIVE.world:
         cases.append(NEGATIVE)
     cases.append(DROPOUT[world])
@@ -314,11 +331,25 @@ def _reference_of(case: Case) -> dict[str, torch.Tensor]:
             grad_accumulation="",
             checkpointing=False,
             precision="fp32" if case.precision == "fp32" else "float32",
+            reduction="",
         )
     )
 
 
 # ---------------------------------------------------------------- the spawned ranks
+
+
+def _own_loop_step(case: Case, model, optimizer, micro_batches, total: int, policy, seeds) -> None:
+    """One step as docs/own_loop.md writes it: the user's forward and loss, `Step` for the rest."""
+    step = Step(model, optimizer, micro_batches, case.world, total, case.max_grad_norm, policy, seeds=seeds)
+    for batch in step.micro_batches():
+        prediction = model(batch["x"]).squeeze(-1)
+        if case.reduction == "none":
+            step.backward((prediction - batch["y"]) ** 2)
+        else:
+            step.backward(F.mse_loss(prediction, batch["y"], reduction=case.reduction), reduction=case.reduction)
+    result = step.optimizer_step(optimizer)
+    assert result.stepped and math.isfinite(step.loss), f"{case.name}: step skipped, loss {step.loss}"
 
 
 def _wrong_train_step(model, optimizer, loss_fn, micro_batches) -> None:
@@ -390,11 +421,13 @@ def _run_case(case: Case, rank: int, columns: dict[str, np.ndarray]) -> dict[str
         plan = _step_plan(case, len(positions))
         assert plan.accumulation_steps == case.accumulation or len(positions) != case.step_sizes[0], plan
         batches = _rank_micro_batches(columns, positions, plan, rank, device)
+        seeds = MicroBatchSeeds(0, step, plan.rank_offset(rank), plan.micro_batches[rank], 0, None)
         if case.wrong_scale:
             _wrong_train_step(model, optimizer, _loss_fn, batches)
+        elif case.reduction:
+            _own_loop_step(case, model, optimizer, batches, len(positions), policy, seeds)
         else:
             args = (case.world, len(positions), case.max_grad_norm, policy, scaler)
-            seeds = MicroBatchSeeds(0, step, plan.rank_offset(rank), plan.micro_batches[rank], 0, None)
             train_step(model, optimizer, _loss_fn, batches, *args, seeds=seeds)
     # A collective for FSDP2 (all ranks call it); strips DDP's "module." prefix.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -529,6 +562,16 @@ def test_partial_final_step_normalised_by_its_size(world_results, strategy: str,
     assert sum(plan.per_rank_samples) == last < GLOBAL_BATCH[3]
     assert (min(plan.per_rank_samples) == 0) == (last < 3)  # with 2 samples, rank 2 only runs empty micro-steps
     _check(world_results, case)
+
+
+@pytest.mark.parametrize("strategy", OWN_LOOP_STRATEGIES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_the_documented_own_loop_trains_like_w1_with_empty_micro_batches(world_results, strategy: str, reduction: str):
+    """`_own_loop_case`: every step taken (none skipped as non-finite) and the weights of one process on the whole
+    batches, for each way of handing the loss to `Step.backward`."""
+    plan = split_step(2, 1, 3)
+    assert plan.per_rank_samples == (1, 1, 0) and plan_batch(10, 1, 3).per_rank_samples == (4, 3, 3)
+    _check(world_results, _own_loop_case(strategy, reduction))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -122,16 +122,48 @@ def test_the_schedule_continues_when_a_resume_changes_the_runs_length() -> None:
     assert factor(resumed, 3) == pytest.approx(factor(first, 3))  # continuous at the resume point
     assert factor(resumed, 6) == pytest.approx(0.0)  # and ends with the run
     assert describe_schedule_on_resume(first, resumed, 3, 6) == (
-        "run length: resumed at step 3, the run now ends at step 6 (was 8): the LR schedule continues from schedule "
-        "step 3 of 8 and reaches its end at step 6"
+        "run length: resumed at step 3, the run now ends at step 6 (was 8): the LR decay continues from 38% of its "
+        "way at step 3 and reaches its end at step 6"
     )
     assert (
         describe_schedule_on_resume(first, first, 3, 8)
         == "run length: resumed at step 3, the run ends at step 8 (as before)"
     )
     assert describe_schedule_on_resume(first, first, 3, None) is None  # streaming without max_steps: unknown
-    # The same end, or a length fixed in steps (decay_steps, max_steps): nothing re-anchored.
+    # The same end, or a length fixed in steps (decay_steps): nothing re-anchored.
     assert first.resumed(3, ScheduleClock(total=8, end=8)) is first
     fixed = ScheduleClock(total=20, end=None)
     assert first.resumed(3, fixed) is fixed and fixed.position(3) == 3
     assert ScheduleClock.from_dict(resumed.to_dict()) == resumed
+
+
+@pytest.mark.parametrize("resume_at", [10, 50])
+@pytest.mark.parametrize("new_end", [400, 60])
+def test_warmup_ends_at_its_step_whatever_the_runs_new_length(resume_at: int, new_end: int) -> None:
+    """warmup_steps = 20, cosine to min_lr_ratio 0.1, max_steps 100; resumed at step 10 (warmup unfinished) or 50
+    with max_steps 400 or 60: the LR sequence is the fresh run's up to the resume, the warmup ends at step 20 (the
+    peak at step 20, (s + 1) / 20 before it), the decay continues from the factor reached (no jump) and ends with
+    the run (min at the new end), never rising again after the peak."""
+    lr = LRConfig(base_lr=1.0, warmup_steps=20, schedule="cosine", min_lr_ratio=0.1)
+
+    def factors(clock: ScheduleClock, steps: range) -> list[float]:
+        return [lr.factor(clock.position(s), clock.total) for s in steps]
+
+    first = ScheduleClock(total=100, end=100, warmup=20)
+    before = factors(first, range(100))
+    resumed = first.resumed(resume_at, ScheduleClock(total=new_end, end=new_end, warmup=20))
+    after = before[:resume_at] + factors(resumed, range(resume_at, new_end + 1))  # the run's steps, either clock
+    assert after[resume_at] == pytest.approx(before[resume_at])  # the resume step trains at the LR it would have
+    assert after[:20] == pytest.approx([(s + 1) / 20 for s in range(20)]) and after[20] == pytest.approx(1.0)
+    assert all(a >= b - 1e-12 for a, b in itertools.pairwise(after[20:]))  # decays, never rises again
+    assert after[new_end] == pytest.approx(0.1)  # ends with the run
+    line = describe_schedule_on_resume(first, resumed, resume_at, new_end)
+    assert line is not None and f"the run now ends at step {new_end} (was 100)" in line
+    if resume_at < 20:
+        assert line.endswith(f"warmup ends at step 20 as set, then the LR decays to its end at step {new_end}")
+    else:  # 50 of 100 with 20 of warmup: 30 / 80 of the decay done
+        assert f"the LR decay continues from 38% of its way at step {resume_at}" in line
+    assert ScheduleClock.from_dict(resumed.to_dict()) == resumed
+    # A record written before the warmup was kept (no "warmup") goes on as it did: warmup stretched with the rest.
+    legacy = ScheduleClock.from_dict({"total": 100, "end": 400, "anchor_step": 10, "anchor_x": 10.0})
+    assert legacy.warmup == 0 and legacy.position(20) == pytest.approx(10 + 10 * 90 / 390)

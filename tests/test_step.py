@@ -22,7 +22,8 @@ def _setup() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str, torch.Ten
     model = nn.Linear(4, 1, dtype=torch.float64)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(10, 4, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
-    return model, optimizer, [{"x": x[:4], "y": y[:4]}, {"x": x[4:], "y": y[4:]}]  # uneven micro-batches
+    empty = {"x": x[:0], "y": y[:0]}  # what the plan hands a rank with no sample in a micro-step
+    return model, optimizer, [{"x": x[:4], "y": y[:4]}, empty, {"x": x[4:], "y": y[4:]}]  # uneven micro-batches
 
 
 def _per_sample(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -68,7 +69,7 @@ def test_misuse_fails_at_once_saying_what_to_do():
         step.backward(_per_sample(model, batch).sum(), reduction="average")
     with pytest.raises(RuntimeError, match="optimizer_step\\(\\) inside the micro-batch loop"):
         step.optimizer_step()
-    with pytest.raises(RuntimeError, match=r"micro-batch 1 of 2 ended without step\.backward"):
+    with pytest.raises(RuntimeError, match=r"micro-batch 1 of 3 ended without step\.backward"):
         next(batches)
     with pytest.raises(RuntimeError, match="walked once per step"):
         next(step.micro_batches())

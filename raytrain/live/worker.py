@@ -209,7 +209,9 @@ class LiveWorker:
         )
         self.ratios = lr_ratios(self.optimizer, spec.lr.peak_lr(self.global_batch))  # before a checkpoint's LRs load
         decay = spec.lr.decay_steps
-        self.clock = ScheduleClock(total=decay or self.total_steps, end=None if decay else self.total_steps)
+        self.clock = ScheduleClock(
+            total=decay or self.total_steps, end=None if decay else self.total_steps, warmup=spec.lr.warmup_steps
+        )
         self.base_batch = spec.lr.base_batch or self.global_batch
         state = None
         if self._restore is not None:  # the model and optimizer as the restart path loads them (DCP reshards)
