@@ -57,8 +57,8 @@ def test_resume_with_a_larger_global_batch_neither_skips_nor_repeats(
     log = (Path(result.run_dir) / "raytrain.log").read_text()
     lengths = [line for line in log.splitlines() if line.startswith("[raytrain] run length:")]
     assert lengths[-1] == (  # the resume's one run-length line, after its decisions; none from the driver before it
-        f"[raytrain] run length: resumed at step {resumed}, the run now ends at step {end} (was 8): the LR schedule "
-        f"continues from schedule step {resumed} of 8 and reaches its end at step {end}"
+        f"[raytrain] run length: resumed at step {resumed}, the run now ends at step {end} (was 8): the LR decay "
+        f"continues from {resumed / 8:.0%} of its way at step {resumed} and reaches its end at step {end}"
     ), lengths
     assert "data order: epoch 0 began with partitions=8, shuffle_window=2 and ends in that order" in log
 
