@@ -801,6 +801,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     import ray
 
     from raytrain.console import quiet_ray_logging
+    from raytrain.storage import keep_out_of_uploads
     from raytrain.trainer import check_ray_address, check_storage_writable
 
     if "://" in options.storage:
@@ -822,6 +823,7 @@ def run_demo(options: DemoOptions) -> dict[str, Any]:
     quiet_ray_logging()  # before the fake-node cluster starts
     run_dir = os.path.join(os.path.abspath(options.storage), run_name)
     check_storage_writable(run_dir)
+    keep_out_of_uploads(options.storage)  # a .gitignore of * in a runs directory the demo creates
     with run_lock(run_dir):  # before any Ray process: the same run started twice refuses at once
         return _run(options, events, run_name, external)
 

@@ -466,10 +466,10 @@ class ParquetSteps:
         wanted = int(min(64, np.ceil(window * max(1, self._step_windows) / max(interval, 1e-4)) + 1))
         if not self._told:
             self._told = True
-            windows = max(1, self._step_windows)
+            windows, groups = max(1, self._step_windows), self.index.window_chunks
             self.log(
-                f"data prefetch: a window of {self.index.window_chunks} row groups loads in {window:.3f} s, a step "
-                f"reads {windows} window{'s' if windows != 1 else ''} and takes {interval:.3f} s: reading "
+                f"data prefetch: a window of {groups} row group{'s' if groups != 1 else ''} loads in {window:.3f} s, "
+                f"a step reads {windows} window{'s' if windows != 1 else ''} and takes {interval:.3f} s: reading "
                 f"{wanted} step(s) ahead"
             )
         return max(self.stats.lookahead, wanted)
