@@ -252,15 +252,23 @@ def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def newest_checkpoint(run_dir: str, live_too: bool, fs: Any = None) -> tuple[int, str] | None:
-    """(step, path) of the newest checkpoint a run in `run_dir` resumes from, of either recovery mode (one format:
-    `raytrain.checkpoint`): the restart path's latest committed one (Ray Train's record) or, with `live_too` (a
-    local run directory), the newest whole live one, whichever is at the later step. None when there is none."""
-    found = []
+def newest_checkpoint(
+    run_dir: str, live_too: bool, fs: Any = None, damaged: list[tuple[str, str]] | None = None
+) -> tuple[int, str] | None:
+    """(step, path) of the newest intact checkpoint a run in `run_dir` resumes from, of either recovery mode (one
+    format: `raytrain.checkpoint`): the restart path's committed ones (Ray Train's latest and those before it) or,
+    with `live_too` (a local run directory), the live ones, newest step first, the first that `verify` finds whole.
+    Each damaged one passed over is appended to `damaged` as (path, why) when given. None when none is intact."""
+    candidates = []
     committed = latest_committed(run_dir, fs)
     if committed is not None:
-        found.append(committed)
+        candidates += [(step, path) for step, path in checkpoint_dirs(run_dir, fs) if step <= committed[0]]
     if live_too:
-        whole = [(step, path) for step, path in live_checkpoints(run_dir) if verify(path) is None]
-        found.extend(whole[-1:])
-    return max(found) if found else None
+        candidates += live_checkpoints(run_dir)
+    for step, path in sorted(candidates, reverse=True):
+        why = verify(path, fs)
+        if why is None:
+            return step, path
+        if damaged is not None:
+            damaged.append((path, why))
+    return None

@@ -137,13 +137,12 @@ def cross_mode_resume(storage: RunStorage, run_dir: str, recovery: str) -> str |
     that is the newest live checkpoint when it is newer than Ray Train's latest committed one (returned: the
     workers load it, `WorkerJob.resume_from`); live mode's driver finds the restart path's itself
     (`raytrain.checkpoint_files.newest_checkpoint`). None when the run resumes from its own mode's, or starts."""
-    from raytrain.checkpoint_files import latest_committed
+    from raytrain.checkpoint_files import LIVE_CHECKPOINT_PREFIX
 
-    newest = storage.newest_checkpoint()
+    newest = storage.newest_checkpoint()  # the newest intact one
     if newest is None:
         return None
-    committed = latest_committed(storage.path, storage.fs)
-    live = newest != committed
+    live = posixpath.basename(newest[1]).startswith(LIVE_CHECKPOINT_PREFIX)
     if live == (recovery == "live"):
         return None
     was = "live" if live else "restart"

@@ -217,6 +217,22 @@ def restore_candidates(latest: str, fs: Any = None) -> list[str]:
     return [latest, *older]
 
 
+def _intact_since(checkpoint: Any, step: int) -> bool:
+    """Whether Ray's latest committed `checkpoint` (a `ray.train.Checkpoint`, or None), or one before it, is intact
+    (`verify`) and at `step` or later: a checkpoint of the restart path to resume from instead of a live one."""
+    if checkpoint is None:
+        return False
+    for path in restore_candidates(checkpoint.path, checkpoint.filesystem):
+        try:
+            if read_step(path, checkpoint.filesystem) < step:
+                return False  # the candidates go back in steps: none later is left
+        except (OSError, ValueError):
+            continue
+        if verify(path, checkpoint.filesystem) is None:
+            return True
+    return False
+
+
 def _restore(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -234,14 +250,12 @@ def _restore(
     partial load). Every rank sees the same files, so every rank chooses the same checkpoint. On object storage
     the chosen checkpoint is downloaded once per node (`node_local_copy`). `resume_from` (a whole live checkpoint,
     local, chosen by the driver: `raytrain.trainer.cross_mode_resume`) is loaded instead when it is at a later step
-    than Ray's latest."""
+    than every intact checkpoint of Ray's."""
     import ray
     import ray.train
 
     checkpoint = ray.train.get_checkpoint()
-    if resume_from is not None and (
-        checkpoint is None or read_step(checkpoint.path, checkpoint.filesystem) < read_step(resume_from)
-    ):
+    if resume_from is not None and not _intact_since(checkpoint, read_step(resume_from)):
         return (*load_checkpoint(resume_from, model, optimizer, aliases), (resume_from, None))
     if checkpoint is None:
         return TrainState(), IdRanges(), None

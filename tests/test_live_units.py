@@ -246,7 +246,7 @@ def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path:
 
     import pyarrow.fs as pafs
 
-    from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, STATE_FILE, newest_checkpoint
+    from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, newest_checkpoint
     from raytrain.cli.main import _resume_hint
     from raytrain.storage import RunStorage
     from raytrain.trainer import cross_mode_resume, describe_interrupt
@@ -267,15 +267,33 @@ def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path:
     assert hint.startswith(f"the last checkpoint is {tmp_path}/live-checkpoint-00000005 (step 5); resume with:"), hint
     assert cross_mode_resume(storage, str(tmp_path), "live") is None  # its own: the driver finds it
     # the restart path committed a later one (Ray Train's record names it): restart mode takes its own...
-    name = "checkpoint_2026-12-01_10-00-00.000000"
-    (tmp_path / name).mkdir()
-    (tmp_path / name / STATE_FILE).write_text('{"step": 7}')
-    (tmp_path / RAY_SNAPSHOT_FILE).write_text(json.dumps({"latest_checkpoint_result": {"checkpoint_dir_name": name}}))
+    import shutil
+
+    from raytrain.checkpoint import TrainState, save_checkpoint
+    from raytrain.data.id_ranges import IdRanges
+
+    def restart_checkpoint(name: str, step: int) -> str:
+        written = save_checkpoint(model, optimizer, TrainState(step=step), 0, IdRanges())
+        shutil.copytree(written, tmp_path / name)
+        record = {"latest_checkpoint_result": {"checkpoint_dir_name": name}}
+        (tmp_path / RAY_SNAPSHOT_FILE).write_text(json.dumps(record))
+        return str(tmp_path / name)
+
+    seven = restart_checkpoint("checkpoint_2026-12-01_10-00-00.000000", 7)
     assert cross_mode_resume(storage, str(tmp_path), "restart") is None
-    assert newest_checkpoint(str(tmp_path), live_too=True) == (7, str(tmp_path / name))  # ...and so does live
-    assert newest_checkpoint(str(tmp_path), live_too=False) == (7, str(tmp_path / name))
-    (tmp_path / name / STATE_FILE).write_text('{"step": 3}')  # older than the live one: both take the live one
-    assert newest_checkpoint(str(tmp_path), live_too=True) == (5, live)
+    assert newest_checkpoint(str(tmp_path), live_too=True) == (7, seven)  # ...and so does live
+    assert newest_checkpoint(str(tmp_path), live_too=False) == (7, seven)
+    # the newest damaged (a shard cut short): passed over, named, never loaded as it is; the live one is next
+    shard = next(p for p in Path(seven).iterdir() if p.suffix == ".distcp")
+    size = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes()[:100])
+    damaged: list[tuple[str, str]] = []
+    assert newest_checkpoint(str(tmp_path), live_too=True, damaged=damaged) == (5, live)
+    assert damaged == [(seven, f"{shard.name} has 100 of its {size} bytes")]
+    assert cross_mode_resume(storage, str(tmp_path), "restart") == live  # the newest intact: the live one
+    shutil.rmtree(seven)
+    three = restart_checkpoint("checkpoint_2026-12-01_11-00-00.000000", 3)  # older than the live one: both take it
+    assert newest_checkpoint(str(tmp_path), live_too=True) == (5, live) and Path(three).exists()
     assert cross_mode_resume(storage, str(tmp_path), "restart") == live
 
 
@@ -491,3 +509,34 @@ def test_a_node_added_is_timed_to_the_first_step_a_new_group_trained() -> None:
     summary = live_summary(metrics, [kill, add], LiveResult([]))
     assert summary["pause_s"] == [0.5, 0.5]  # steps 11 and 13 came 0.5 s after each
     assert summary["grown_s"] == [None, 3.5]  # step 16, the first at world 4 again, 3.5 s after the node came
+
+
+def test_a_replacement_trains_with_the_lr_of_the_group_it_joins() -> None:
+    """A live group started from a checkpoint of a run since lengthened (40 -> 100 steps) and re-batched (16 ->
+    32, `sqrt` rule): the replicas that load it and the replacements that heal from a peer (no checkpoint loaded)
+    get one clock and one base batch from it (`group_schedule` with the driver's `lr_origin`), so at every step
+    they apply one LR to the averaged gradients; a replacement on a fresh clock (what it was given before) trained
+    at several times the survivors' LR."""
+    from types import SimpleNamespace
+
+    from raytrain.live.worker import LiveSettings, group_schedule
+    from raytrain.lr_rules import ScheduleClock
+    from raytrain.worker_loop import scheduled_lr
+
+    lr = LRConfig(base_lr=0.1, rule="sqrt", warmup_steps=5, schedule="cosine", min_lr_ratio=0.0)
+    spec = _spec(batch=BatchConfig(global_batch=32, micro_batch=4), lr=lr)
+    origin = {"step": 30, "schedule": ScheduleClock(total=40, end=40, warmup=5).to_dict(), "base_batch": 16}
+    settings = LiveSettings(lighthouse="h:1", replica_id="r1.1", lr_origin=origin)
+    survivor = group_schedule(spec, 32, 100, origin)  # loaded the checkpoint
+    replacement = group_schedule(spec, 32, 100, settings.lr_origin)  # healed from a peer
+    assert survivor == replacement and survivor[1] == 16
+    assert survivor[0] == ScheduleClock(total=40, end=40, warmup=5).resumed(30, ScheduleClock(100, 100, warmup=5))
+    job = SimpleNamespace(lr_schedule_fn=None, spec=spec)
+
+    def lr_at(schedule: tuple[ScheduleClock, int], step: int) -> float:
+        return scheduled_lr(job, spec.lr.peak_lr(32, schedule[1]), schedule[0], step)  # type: ignore[arg-type]
+
+    fresh = group_schedule(spec, 32, 100, None)
+    for step in (31, 50, 90):
+        assert lr_at(replacement, step) == lr_at(survivor, step)
+    assert lr_at(fresh, 31) > 3 * lr_at(survivor, 31)  # the fresh clock: near the peak, the group near its end

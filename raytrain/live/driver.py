@@ -180,6 +180,7 @@ class LiveRun:
         self._group = 0  # groups of replicas started: 1 at the start, one more per fallback
         self._failures = 0  # replicas lost and fallbacks, counted against max_failures
         self._generations: dict[int, int] = {}  # replicas started per index: names r1, r1.1, r1.2, ...
+        self._lr_origin: dict[str, Any] | None = None  # the checkpoint the current group started from (`_restore`)
 
     def _group_words(self) -> str:
         """A replica group's size in words: "dp_shard=2" or "dp_shard=2 x tp=2"."""
@@ -216,6 +217,7 @@ class LiveRun:
                 shard_rank=rank,
                 dp_shard=self.dp_shard,
                 tp=self.tp,
+                lr_origin=self._lr_origin,
             )
             actors.append(
                 ray.remote(LiveWorker)
@@ -346,11 +348,20 @@ class LiveRun:
         position."""
         from raytrain.live.log import check_resumable_with
 
-        newest = newest_checkpoint(self.run_dir, live_too=True)
+        damaged: list[tuple[str, str]] = []
+        newest = newest_checkpoint(self.run_dir, live_too=True, damaged=damaged)
+        for path, why in damaged:  # every group would load it: passed over, as a restart passes over its own
+            self._note(
+                f"WARNING: checkpoint {os.path.basename(path)} is damaged ({why}); resuming from "
+                + (os.path.basename(newest[1]) if newest else "the start")
+            )
+        self._lr_origin = None
         if newest is None:
             return 0, None
         state = read_train_state(newest[1])
         check_resumable_with(state, self.job.spec.to_dict(), self._num_rows(), self._data_order())
+        # the group's LR clock and base batch, for its replacements too (`raytrain.live.worker.group_schedule`)
+        self._lr_origin = {"step": state.step, "schedule": state.schedule, "base_batch": state.base_batch}
         return state.step, newest[1]
 
     def _begin(self, restored: int, ready: list[_Replica]) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from raytrain import faults
 from raytrain.batch_plan import BatchPlan, split_step
+from raytrain.config import TrainSpec
 from raytrain.data.id_ranges import IdRanges
 from raytrain.data.materialized import run_total_steps, step_position, steps_per_epoch
 from raytrain.data.parquet import ParquetSteps
@@ -28,6 +29,7 @@ from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
 from raytrain.live.replica import LiveShare
+from raytrain.lr_rules import ScheduleClock
 from raytrain.model_record import model_record
 from raytrain.optim import lr_ratios, set_lr
 from raytrain.parallel.dims import ParallelDims
@@ -49,11 +51,31 @@ class LiveSettings:
     shard_rank: int = 0  # this worker's rank in its replica group
     dp_shard: int = 1  # data ranks per replica group (they shard the model: zero2/zero3)
     tp: int = 1  # tensor-parallel workers per data rank (they split each block's linear layers)
+    # the checkpoint the driver started this group from: {"step", "schedule", "base_batch"} (None: from the start);
+    # replacements, which heal from a peer and load no checkpoint, take their LR clock and base batch from it too
+    lr_origin: dict[str, Any] | None = None
 
     @property
     def group_size(self) -> int:
         """Workers per replica group: dp_shard x tp."""
         return self.dp_shard * self.tp
+
+
+def group_schedule(
+    spec: TrainSpec, global_batch: int, total_steps: int, origin: dict[str, Any] | None
+) -> tuple[ScheduleClock, int]:
+    """Pure: the LR clock and the base batch every replica of a live group trains with, from `origin` (the
+    checkpoint the group started from: its step, schedule record and base batch; None: the run's start): the
+    replicas that load it and the replacements that heal from a peer alike, so that every group applies one LR to
+    the averaged gradients (a replacement with a fresh clock trained at 4.7x the survivors' LR after a resume that
+    changed the run's length)."""
+    decay = spec.lr.decay_steps
+    clock = ScheduleClock(total=decay or total_steps, end=None if decay else total_steps, warmup=spec.lr.warmup_steps)
+    if origin is None:
+        return clock, spec.lr.base_batch or global_batch
+    if origin.get("schedule"):
+        clock = ScheduleClock.from_dict(origin["schedule"]).resumed(origin["step"], clock)
+    return clock, spec.lr.base_batch or origin.get("base_batch") or global_batch
 
 
 @dataclass
@@ -132,7 +154,6 @@ class LiveWorker:
         from raytrain.checkpoint import load_checkpoint
         from raytrain.data.materialized import IndexedSteps
         from raytrain.live.replica import LiveReplica
-        from raytrain.lr_rules import ScheduleClock
         from raytrain.model_tensors import tie_aliases
         from raytrain.optim import build_optimizer
         from raytrain.parallel.apply import apply_parallelism, step_policy
@@ -208,17 +229,13 @@ class LiveWorker:
             self.model, job.optimizer_fn, spec.lr.peak_lr(self.global_batch), layout.strategy
         )
         self.ratios = lr_ratios(self.optimizer, spec.lr.peak_lr(self.global_batch))  # before a checkpoint's LRs load
-        decay = spec.lr.decay_steps
-        self.clock = ScheduleClock(
-            total=decay or self.total_steps, end=None if decay else self.total_steps, warmup=spec.lr.warmup_steps
-        )
-        self.base_batch = spec.lr.base_batch or self.global_batch
         state = None
+        origin = settings.lr_origin
         if self._restore is not None:  # the model and optimizer as the restart path loads them (DCP reshards)
             state, _ = load_checkpoint(self._restore, self.model, self.optimizer, aliases)
-            self.base_batch = spec.lr.base_batch or state.base_batch or self.global_batch
-            if state.schedule:
-                self.clock = ScheduleClock.from_dict(state.schedule).resumed(state.step, self.clock)
+            if origin is None:
+                origin = {"step": state.step, "schedule": state.schedule, "base_batch": state.base_batch}
+        self.clock, self.base_batch = group_schedule(spec, self.global_batch, self.total_steps, origin)
         self.peak_lr = spec.lr.peak_lr(self.global_batch, self.base_batch)
         self.replica = LiveReplica(
             self.model,
