@@ -110,6 +110,7 @@ class TrainState:
     plan: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     data_order: dict[str, int] = field(default_factory=dict)  # Parquet: what epoch `epoch`'s order depends on
+    num_rows: int = 0  # the training set's rows (deterministic mode; 0: streaming, or written before it was kept)
     model: dict[str, Any] = field(default_factory=dict)  # what the export needs (`raytrain.model_record`)
 
     @classmethod

@@ -897,6 +897,7 @@ def _checkpoint(run: Run, metrics: dict[str, Any]) -> int:
     state.base_batch, state.peak_lr, state.schedule = run.base_batch, run.peak_lr, run.clock.to_dict()
     state.model = run.model_record
     state.data_order = run.source.order_params(state.epoch) if isinstance(run.source, ParquetSteps) else {}
+    state.num_rows = run.source.num_rows if isinstance(run.source, IndexedSteps | ParquetSteps) else 0
     state.loss_scale = run.scaler.state_dict() if run.scaler is not None else {}
     _report_pending(run)
     began = time.perf_counter()

@@ -309,6 +309,12 @@ def test_resuming_a_live_checkpoint_with_settings_that_move_the_data_position_is
     other = _spec(batch=BatchConfig(global_batch=48, micro_batch=4), loop=LoopConfig(seed=3)).to_dict()
     with pytest.raises(ConfigError, match=r"batch.global_batch 24 -> 48, loop.seed 0 -> 3, training rows 240 -> 200"):
         check_resumable_with(state, other, 200)
+    # a restart-path checkpoint (its plan holds no row count; its own field does) of a data set since grown, in
+    # epoch 0 where the position check alone cannot tell
+    restart = replace(state, plan={"world_size": 2, "global_batch": 24}, num_rows=240)
+    assert state.num_rows == 240  # live checkpoints keep it in the field too
+    with pytest.raises(ConfigError, match=r"other settings than this run: training rows 240 -> 300"):
+        check_resumable_with(restart, config, 300)
     # a restart-path checkpoint whose run changed its global batch before it: not at step x B
     check_resumable_with(replace(state, step=10, sample_in_epoch=240), config, 240)  # the epoch's end: (1, 0)
     moved = replace(state, sample_in_epoch=100)

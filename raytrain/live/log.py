@@ -83,7 +83,7 @@ def check_resumable_with(
         "batch.global_batch": (stored.get("batch", {}).get("global_batch"), config["batch"]["global_batch"]),
         "batch.drop_last": (stored.get("batch", {}).get("drop_last"), config["batch"]["drop_last"]),
         "loop.seed": (stored.get("loop", {}).get("seed"), config["loop"]["seed"]),
-        "training rows": (state.plan.get("num_rows"), num_rows),
+        "training rows": (state.num_rows or state.plan.get("num_rows"), num_rows),  # the plan's: live, before
         "data order": (state.data_order or None, data_order or None),
     }
     changed = [f"{name} {old!r} -> {new!r}" for name, (old, new) in pairs.items() if old is not None and old != new]
@@ -101,7 +101,7 @@ def check_resumable_with(
             )
     if changed:
         raise ConfigError(
-            f"live checkpoint step {state.step} was written with other settings than this run: {', '.join(changed)};"
+            f"checkpoint step {state.step} was written with other settings than this run: {', '.join(changed)};"
             " live mode resumes only with the same ones (the restart path can change the global batch), or start "
             "a new run_name"
         )
@@ -214,6 +214,7 @@ class LiveLog:
             plan=plan,
             config=self.config,
             data_order=self.data_order,
+            num_rows=self.num_rows,
         )
         with open(os.path.join(partial, STATE_FILE), "w") as f:
             json.dump(asdict(record), f)
