@@ -59,7 +59,8 @@ def test_a_kill_and_a_node_lost_survivors_never_restart_and_the_batch_stays_exac
         assert event["recovered_time"] is not None and event["restored_step"] is None
     assert live["steps_retrained"] <= 2  # at most the step each kill interrupted
     log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
-    assert log.count("lost after step") == 2 and "no restart" in log
+    assert log.count("lost after step") == 2 and "go on with the same global batch, no restart" in log
+    assert "wait for a replacement" not in log  # min_workers=1: the survivors train on alone (docs/recovery.md)
 
 
 def test_sharded_replica_groups_go_on_through_a_node_loss_a_drain_and_an_added_node(
@@ -99,6 +100,8 @@ def test_sharded_replica_groups_go_on_through_a_node_loss_a_drain_and_an_added_n
     assert layout == {"dp": 6, "dp_replicate": 3, "dp_shard": 2, "tp": 1, "pp": 1}
     log = (Path(summary["run_dir"]) / "raytrain.log").read_text()
     assert "is being drained" in log and "ahead of its node's drain" in log and "FSDP units" in log
+    # a fixed --workers 6 is min_workers=6: the two groups left wait for the replacement, and the loss line says so
+    assert "2 wait for a replacement, no restart: min_workers=6 asks for 3 replica group(s) per step" in log, log
     from raytrain.model_export import export  # a live checkpoint exports like any other (one format)
 
     exported = export(summary["run_dir"], str(tmp_path / "exported"))

@@ -546,3 +546,32 @@ def test_a_replacement_trains_with_the_lr_of_the_group_it_joins() -> None:
     for step in (31, 50, 90):
         assert lr_at(replacement, step) == lr_at(survivor, step)
     assert lr_at(fresh, 31) > 3 * lr_at(survivor, 31)  # the fresh clock: near the peak, the group near its end
+
+
+def test_groups_that_drift_apart_are_named_by_the_fingerprint_they_compare() -> None:
+    """What the loss's all-reduce carries besides it: each group's LR (every step) and parameter checksum (every
+    FINGERPRINT_EVERY steps), summed with their squares over the groups; equal values pass (rounding included), an
+    LR 4.7x another's (issue 68's replacement on a fresh clock) or a checksum one part in 1e4 off is named."""
+    import torch
+
+    from raytrain.live.replica import disagreement, parameter_checksum
+
+    def sums(per_group: list[dict[str, float]]) -> tuple[list[str], list[float], list[float]]:
+        names = list(per_group[0])
+        return (
+            names,
+            [sum(g[n] for g in per_group) for n in names],
+            [sum(g[n] ** 2 for g in per_group) for n in names],
+        )
+
+    same = {"lr": 0.1 / 3, "parameter checksum": 1234.5678901}
+    assert disagreement(*sums([same] * 3), 3) is None
+    assert disagreement(*sums([same]), 1) is None  # one group: nothing to compare
+    apart = disagreement(*sums([same, same, {**same, "lr": 4.7 * same["lr"]}]), 3)
+    assert apart is not None and apart.startswith("lr ") and "across 3 groups" in apart and "checksum" not in apart
+    drifted = disagreement(*sums([same, {**same, "parameter checksum": same["parameter checksum"] * 1.0001}]), 2)
+    assert drifted is not None and drifted.startswith("parameter checksum 1234.")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    expected = sum(float(p.detach().double().pow(2).sum()) for p in model.parameters())
+    assert parameter_checksum(model) == pytest.approx(expected) and expected > 0

@@ -631,11 +631,17 @@ class LiveRun:
         )
         who = replica.who()
         others = sum(1 for r in self.replicas.values() if r.launched)
-        going_on = (
-            f"{others} go on with the same global batch, no restart" + ("; starting a replacement" if replace else "")
-            if others
-            else "no replica left to go on"
-        )
+        if not others:
+            going_on = "no replica left to go on"
+        elif others >= self.min:
+            going_on = f"{others} go on with the same global batch, no restart"
+        else:  # below min_workers the quorum waits (a fixed worker count is min = max): said, not implied
+            going_on = (
+                f"{others} wait for a replacement, no restart: min_workers={self.min * self.group_size} asks for "
+                f"{self.min} replica group(s) per step (a range such as --workers {self.group_size}:"
+                f"{self.max * self.group_size} lets the others train on alone)"
+            )
+        going_on += "; starting a replacement" if replace and others else ""
         self._note(
             f"{who} lost after step {step} ({why}); {going_on}",
             {"kind": "lost", "replica": replica.name, "pid": replica.pid, "step": step, "why": why},

@@ -115,6 +115,37 @@ def live_share(step: int, step_batch: int, micro_batch: int, participants: int, 
     return LiveShare(step, participants, rank, split_step(step_batch, micro_batch, participants))
 
 
+FINGERPRINT_EVERY = 10  # steps between the groups' comparison of a parameter checksum (the LR: every step)
+
+
+class ReplicasDisagree(RuntimeError):
+    """The replica groups of a step hold different LRs or parameters: their updates would drift apart."""
+
+
+def disagreement(names: list[str], sums: list[float], squares: list[float], participants: int) -> str | None:
+    """Pure: which of the fingerprint values `names` differ across the `participants` replica groups, from their
+    sums and sums of squares over the groups (all equal: a variance of 0, up to rounding); None when none does."""
+    if participants < 2:
+        return None
+    differ = []
+    for name, total, square in zip(names, sums, squares, strict=True):
+        mean = total / participants
+        spread = max(0.0, square / participants - mean * mean) ** 0.5
+        if spread > 1e-6 * max(abs(mean), 1e-30):
+            differ.append(f"{name} {mean:.6g} on average with a spread of {spread:.3g} across {participants} groups")
+    return "; ".join(differ) or None
+
+
+def parameter_checksum(model: torch.nn.Module) -> float:
+    """The sum of squares of this rank's parameters (its shards' local parts), in float64: the same number on the
+    same rank of every replica group in step."""
+    total = 0.0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += float(local.detach().double().pow(2).sum())
+    return total
+
+
 class TorchftReplication:
     """The dp-axis reduction of live mode (a `raytrain.step.Replication`): the gradients averaged and the loss
     summed over the replica groups of this step's quorum through torchft's manager, and `commit` its
@@ -123,8 +154,16 @@ class TorchftReplication:
     is summed with them, so every participant holds the step's ids afterwards (the audit's, when each replica
     reads only its own slice)."""
 
-    def __init__(self, manager: Any, pg: Any, ids: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        pg: Any,
+        ids: torch.Tensor | None = None,
+        fingerprint: dict[str, float] | None = None,
+        step: int = 0,
+    ) -> None:
         self.manager, self.pg, self.ids = manager, pg, ids
+        self.fingerprint, self.step = fingerprint or {}, step
 
     def reduce(self, gradients: list[torch.Tensor], loss_sum: float) -> float:
         """One all-reduce per dtype over the flattened gradients (averaged over the participants), one for the
@@ -134,7 +173,8 @@ class TorchftReplication:
         for grad in gradients:
             by_dtype.setdefault(grad.dtype, []).append(grad)
         flats = {dtype: torch.cat([g.reshape(-1) for g in grads]) for dtype, grads in by_dtype.items()}
-        loss = torch.tensor([loss_sum], dtype=torch.float64)
+        values = list(self.fingerprint.values())  # summed with the loss, and their squares: no collective more
+        loss = torch.tensor([loss_sum, *values, *(v * v for v in values)], dtype=torch.float64)
         works = [self.manager.allreduce(flat) for flat in flats.values()]
         works.append(self.manager.allreduce(loss, reduce_op=ReduceOp.SUM))
         if self.ids is not None:
@@ -148,7 +188,13 @@ class TorchftReplication:
             for g in grads:
                 g.copy_(flats[dtype][offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-        return float(loss)
+        if values and self.manager.errored() is None:
+            n = len(values)
+            sums, squares = loss[1 : 1 + n].tolist(), loss[1 + n :].tolist()
+            differ = disagreement(list(self.fingerprint), sums, squares, self.manager.num_participants())
+            if differ is not None:
+                raise ReplicasDisagree(f"live: the replica groups disagree at step {self.step + 1}: {differ}")
+        return float(loss[0])
 
     def commit(self) -> bool:
         """torchft's vote: True when every rank of this group completed the step's collectives.
@@ -243,9 +289,13 @@ class LiveReplica:
         assert rank is not None, "a synchronous quorum always makes this replica a participant"
         return Quorum(self.manager.current_step(), self.manager.num_participants(), rank)
 
-    def replication(self, ids: torch.Tensor | None = None) -> TorchftReplication:
-        """This step's reduction across the replica groups (`raytrain.step.Step(replication=...)`)."""
-        return TorchftReplication(self.manager, self._pg, ids)
+    def replication(
+        self, ids: torch.Tensor | None = None, fingerprint: dict[str, float] | None = None, step: int = 0
+    ) -> TorchftReplication:
+        """This step's reduction across the replica groups (`raytrain.step.Step(replication=...)`); `fingerprint`
+        (name -> value, the same names on every group at `step`) is compared across them in the loss's
+        all-reduce: `ReplicasDisagree` when a value differs."""
+        return TorchftReplication(self.manager, self._pg, ids, fingerprint, step)
 
     def shutdown(self) -> None:
         """Leave the quorum and stop torchft's background threads."""

@@ -28,7 +28,7 @@ from raytrain.data.parquet import ParquetSteps
 from raytrain.errors import NonFiniteError
 from raytrain.faults import fault_point
 from raytrain.live.log import pack_state
-from raytrain.live.replica import LiveShare
+from raytrain.live.replica import FINGERPRINT_EVERY, LiveShare, parameter_checksum
 from raytrain.lr_rules import ScheduleClock
 from raytrain.model_record import model_record
 from raytrain.optim import lr_ratios, set_lr
@@ -329,7 +329,11 @@ class LiveWorker:
                 lr = self.lr_at(step)
                 set_lr(self.optimizer, self.ratios, lr)
                 started = time.perf_counter()
-                replication = self.replica.replication(self._gathered_ids(share, data.ids))
+                # the groups compare their LR every step and a parameter checksum every FINGERPRINT_EVERY steps
+                fingerprint = {"lr": lr}
+                if step % FINGERPRINT_EVERY == 0:
+                    fingerprint["parameter checksum"] = parameter_checksum(self.model)
+                replication = self.replica.replication(self._gathered_ids(share, data.ids), fingerprint, step)
                 result = train_step(
                     self.model,
                     self.optimizer,
