@@ -109,6 +109,16 @@ def _written_before_manifests(directory: str, fs: Any) -> bool:
 RAY_SNAPSHOT_FILE = "checkpoint_manager_snapshot.json"  # Ray Train's controller: its committed checkpoints
 
 
+def latest_committed_path(run_dir: str, fs: Any = None) -> str | None:
+    """The directory of the checkpoint Ray Train has committed last for the run in `run_dir` (on the pyarrow
+    filesystem `fs`, None: local), from its controller's record, readable or not; None without a record."""
+    try:
+        latest = json.loads(_read(_fs(fs), posixpath.join(run_dir, RAY_SNAPSHOT_FILE))).get("latest_checkpoint_result")
+        return posixpath.join(run_dir, (latest or {})["checkpoint_dir_name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def latest_committed(run_dir: str, fs: Any = None) -> tuple[int, str] | None:
     """(step, path) of the checkpoint Ray Train has committed last for the run in `run_dir` (on the pyarrow
     filesystem `fs`, None: local), the one a restart restores, from the record Ray Train's controller keeps in the
@@ -184,7 +194,7 @@ def remove_uncommitted(latest: str, fs: Any = None) -> list[str]:
     that Ray's `num_to_keep`, which only counts what it committed, leaves no more than that on disk. Call on rank 0
     at a (re)start, before any new checkpoint. Returns the paths removed."""
     fs = _fs(fs)
-    latest_step, latest_name = read_step(latest, fs), posixpath.basename(latest)
+    latest_step, latest_name = read_step(latest, fs), posixpath.basename(latest.rstrip("/"))
     removed = []
     for path in checkpoint_paths(posixpath.dirname(latest.rstrip("/")), fs):
         try:
@@ -259,13 +269,19 @@ def newest_checkpoint(
     format: `raytrain.checkpoint`): the restart path's committed ones (Ray Train's latest and those before it) or,
     with `live_too` (a local run directory), the live ones, newest step first, the first that `verify` finds whole.
     Each damaged one passed over is appended to `damaged` as (path, why) when given. None when none is intact."""
-    candidates = []
-    committed = latest_committed(run_dir, fs)
-    if committed is not None:
-        candidates += [(step, path) for step, path in checkpoint_dirs(run_dir, fs) if step <= committed[0]]
+    candidates: list[tuple[int, int, str]] = []  # (step, 1 for the restart path's: first at a tie, path)
+    latest = latest_committed_path(run_dir, fs)
+    if latest is not None:
+        try:
+            newest = read_step(latest, fs)
+            restart = [(step, path) for step, path in checkpoint_dirs(run_dir, fs) if step <= newest]
+        except (OSError, ValueError):  # the latest's state is lost: those written before it, as Ray names them
+            name = posixpath.basename(latest.rstrip("/"))
+            restart = [(s, p) for s, p in checkpoint_dirs(run_dir, fs) if posixpath.basename(p) < name]
+        candidates += [(step, 1, path) for step, path in restart]
     if live_too:
-        candidates += live_checkpoints(run_dir)
-    for step, path in sorted(candidates, reverse=True):
+        candidates += [(step, 0, path) for step, path in live_checkpoints(run_dir)]
+    for step, _, path in sorted(candidates, reverse=True):
         why = verify(path, fs)
         if why is None:
             return step, path

@@ -132,8 +132,8 @@ class ScheduleClock:
         run's length is unknown (streaming without max_steps: only constant schedules run there).
     end: the step at which the run ends now; None when the schedule's length is fixed in steps (`decay_steps`).
     anchor_step, anchor_x: the resume step that re-anchored the clock, and its schedule step.
-    warmup: the warmup's length in optimizer steps (0 in a record written before it was kept: that clock stretched
-        the warmup with the rest, and goes on doing so).
+    warmup: the warmup's length in optimizer steps (0 in a record written before it was kept: such a clock
+        stretched the warmup with the rest; `resumed` gives it the configured warmup from that resume on).
     """
 
     total: int | None
@@ -165,6 +165,8 @@ class ScheduleClock:
         the decay continues from its position there and ends at the new end (the warmup ends at its step)."""
         if self.end is None or fresh.end is None:
             return fresh
+        if float(self.position(step)) <= fresh.warmup:  # the decay has not begun: it spans the run as now laid out
+            return fresh
         if fresh.end == self.end:
             return self if self.warmup == fresh.warmup else replace(self, warmup=fresh.warmup)
         return ScheduleClock(
@@ -190,7 +192,9 @@ def describe_schedule_on_resume(
     unknown (streaming without max_steps)."""
     if total_steps is None:
         return None
-    if before == after or before.end is None or after.end is None:
+    if before.end is None or after.end is None:  # the schedule's length is fixed in steps (decay_steps)
+        return f"run length: resumed at step {step}, the run ends at step {total_steps}"
+    if before.end == after.end:
         return f"run length: resumed at step {step}, the run ends at step {total_steps} (as before)"
     line = f"run length: resumed at step {step}, the run now ends at step {after.end} (was {before.end})"
     if not decaying:
@@ -198,6 +202,6 @@ def describe_schedule_on_resume(
     if step < after.warmup:
         return f"{line}: warmup ends at step {after.warmup} as set, then the LR decays to its end at step {after.end}"
     return (
-        f"{line}: the LR decay continues from {after.decay_progress(step):.0%} of its way at step {step} and "
+        f"{line}: the LR decay continues from {before.decay_progress(step):.0%} of its way at step {step} and "
         f"reaches its end at step {after.end}"
     )

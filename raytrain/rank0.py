@@ -129,7 +129,9 @@ class Rank0Log:
         previous = self._last_event()
         event = {**event, "previous_world_size": previous["world_size"] if previous else None, "time": time.time()}
         self._append(EVENTS_FILE, event)
-        before = previous if restored_step else None  # from step 0 nothing carries over: no "as before"
+        # from step 0 nothing carries over: no "(as before)", though a resize before any checkpoint still shows
+        resized = previous is not None and previous["plan"] != event["plan"]
+        before = previous if restored_step or resized else None
         line = resize_line(
             before["plan"] if before else None,
             event["plan"],

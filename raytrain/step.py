@@ -153,7 +153,9 @@ class Step:
         the micro-batch's n here). A ValueError names the shape otherwise; a mean given as "none" would be wrong.
         A micro-batch with no sample (the batch plan gives some ranks none, e.g. micro_batch 1 at B = 10, W = 3)
         adds nothing to the step, whatever its loss is (the mean of no samples is NaN): its backward still runs,
-        so this rank joins the gradient sync.
+        so this rank joins the gradient sync. That backward goes through your loss's graph, so the loss must come
+        from the model's forward on that (empty) micro-batch, and a term over the parameters alone must not be
+        divided by the sample count (0 x inf in the chain rule would make the gradients NaN).
         """
         batch = self._current
         if batch is None:

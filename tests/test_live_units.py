@@ -246,7 +246,7 @@ def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path:
 
     import pyarrow.fs as pafs
 
-    from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, newest_checkpoint
+    from raytrain.checkpoint_files import RAY_SNAPSHOT_FILE, STATE_FILE, newest_checkpoint
     from raytrain.cli.main import _resume_hint
     from raytrain.storage import RunStorage
     from raytrain.trainer import cross_mode_resume, describe_interrupt
@@ -291,6 +291,15 @@ def test_either_recovery_mode_resumes_from_the_others_newer_checkpoint(tmp_path:
     assert newest_checkpoint(str(tmp_path), live_too=True, damaged=damaged) == (5, live)
     assert damaged == [(seven, f"{shard.name} has 100 of its {size} bytes")]
     assert cross_mode_resume(storage, str(tmp_path), "restart") == live  # the newest intact: the live one
+    # the latest committed lost its train state (Ray's record names it; its step cannot be read): the intact ones
+    # written before it, as Ray names them, are still candidates, here ahead of the live one
+    fifty = restart_checkpoint("checkpoint_2026-12-01_09-00-00.000000", 50)
+    lost = restart_checkpoint("checkpoint_2026-12-01_12-00-00.000000", 60)
+    (Path(lost) / STATE_FILE).unlink()
+    assert newest_checkpoint(str(tmp_path), live_too=True) == (50, fifty)
+    assert cross_mode_resume(storage, str(tmp_path), "restart") is None  # its own: the worker finds it too
+    shutil.rmtree(fifty)
+    shutil.rmtree(lost)
     shutil.rmtree(seven)
     three = restart_checkpoint("checkpoint_2026-12-01_11-00-00.000000", 3)  # older than the live one: both take it
     assert newest_checkpoint(str(tmp_path), live_too=True) == (5, live) and Path(three).exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -164,6 +165,29 @@ def test_warmup_ends_at_its_step_whatever_the_runs_new_length(resume_at: int, ne
     else:  # 50 of 100 with 20 of warmup: 30 / 80 of the decay done
         assert f"the LR decay continues from 38% of its way at step {resume_at}" in line
     assert ScheduleClock.from_dict(resumed.to_dict()) == resumed
-    # A record written before the warmup was kept (no "warmup") goes on as it did: warmup stretched with the rest.
+    # The same line only where the end moved: a warmup changed alone says "(as before)"; a run shortened to end at
+    # the resume step says how far the decay had gone by the clock it had
+    assert describe_schedule_on_resume(first, replace(first, warmup=10), 50, 100) == (
+        "run length: resumed at step 50, the run ends at step 100 (as before)"
+    )
+    ended = describe_schedule_on_resume(first, first.resumed(50, ScheduleClock(50, 50, warmup=20)), 50, 50)
+    assert ended is not None and "continues from 38% of its way at step 50" in ended
+    # A record written before the warmup was kept (no "warmup") reads as it did: warmup stretched with the rest.
     legacy = ScheduleClock.from_dict({"total": 100, "end": 400, "anchor_step": 10, "anchor_x": 10.0})
     assert legacy.warmup == 0 and legacy.position(20) == pytest.approx(10 + 10 * 90 / 390)
+
+
+def test_a_run_that_ended_within_its_warmup_and_is_extended_warms_up_then_decays() -> None:
+    """8 steps with warmup_steps = 10 (the run ended inside its warmup), extended to 100 at a resume from step 8:
+    the warmup goes on to step 10, never above the peak, and the decay spans steps 10-100 (it was flat at or above
+    the peak to the end when the clock was re-anchored past its total)."""
+    lr = LRConfig(base_lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    first = ScheduleClock(total=8, end=8, warmup=10)
+    clock = first.resumed(8, ScheduleClock(total=100, end=100, warmup=10))
+    factors = [lr.factor(clock.position(s), clock.total) for s in range(8, 101)]
+    assert max(factors) == pytest.approx(1.0) and factors[10 - 8] == pytest.approx(1.0)
+    assert factors[-1] == pytest.approx(0.1) and factors[0] == pytest.approx(lr.factor(8, 8))
+    line = describe_schedule_on_resume(first, clock, 8, 100)
+    assert line is not None and line.endswith(
+        "warmup ends at step 10 as set, then the LR decays to its end at step 100"
+    )

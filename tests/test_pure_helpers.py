@@ -113,12 +113,15 @@ def test_rank0_log_writes_on_rank_0_only_and_trims_replayed_steps(tmp_path: Path
     fresh = Rank0Log(0, str(tmp_path / "again"), audit=False, log_every=100)
     for _ in range(2):  # a second start from step 0 (the first ended before its first checkpoint): no "as before"
         fresh.start(restored_step=0, event=event)
+    fresh.start(restored_step=0, event={**event, "world_size": 1, "plan": plan_batch(8, 4, 1).to_dict()})  # resized
     fresh.close()
     again = (tmp_path / "again" / LOG_FILE).read_text().splitlines()
     assert again == [
         "[raytrain] world 2: accumulation 1, samples/rank [4,4], global batch 8, peak lr 1.0e-01, strategy ddp",
         "[raytrain] world 2: accumulation 1, samples/rank [4,4], global batch 8, peak lr 1.0e-01, strategy ddp, "
         "from step 0 (no checkpoint to resume from)",
+        "[raytrain] world 2 -> 1: accumulation 1 -> 2, samples/rank [4,4] -> [8], global batch 8 (unchanged), peak lr "
+        "1.0e-01 (unchanged), strategy ddp, from step 0 (no checkpoint to resume from)",
     ], again
     log.close()
     said = (tmp_path / LOG_FILE).read_text().splitlines()

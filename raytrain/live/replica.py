@@ -139,11 +139,8 @@ def disagreement(names: list[str], sums: list[float], squares: list[float], part
 def parameter_checksum(model: torch.nn.Module) -> float:
     """The sum of squares of this rank's parameters (its shards' local parts), in float64: the same number on the
     same rank of every replica group in step."""
-    total = 0.0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += float(local.detach().double().pow(2).sum())
-    return total
+    parts = [(p.to_local() if hasattr(p, "to_local") else p).detach().double().pow(2).sum() for p in model.parameters()]
+    return float(torch.stack(parts).sum()) if parts else 0.0  # one device sync, not one per tensor
 
 
 class TorchftReplication:
