@@ -124,12 +124,12 @@ def latest_committed(run_dir: str, fs: Any = None) -> tuple[int, str] | None:
     filesystem `fs`, None: local), the one a restart restores, from the record Ray Train's controller keeps in the
     run directory; None when there is none (or the record cannot be read). A newer checkpoint directory may
     exist: reported, never committed."""
-    fs = _fs(fs)
+    path = latest_committed_path(run_dir, fs)
+    if path is None:
+        return None
     try:
-        latest = json.loads(_read(fs, posixpath.join(run_dir, RAY_SNAPSHOT_FILE))).get("latest_checkpoint_result")
-        path = posixpath.join(run_dir, (latest or {})["checkpoint_dir_name"])
         return read_step(path, fs), path
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
 
 
@@ -262,6 +262,21 @@ def live_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def restore_candidates(latest: str, fs: Any = None) -> list[str]:
+    """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of its run
+    directory (never a newer one: written after the latest commit, it was never committed). Older means a lower
+    step; when the latest's own state is gone (its file or its whole directory lost), older means written before
+    it, as Ray Train's time-stamped names tell. Paths on the pyarrow filesystem `fs` (None: local)."""
+    run_dir = posixpath.dirname(latest.rstrip("/"))
+    try:
+        newest = read_step(latest, fs)
+    except (OSError, ValueError):
+        name = posixpath.basename(latest.rstrip("/"))
+        return [latest, *reversed([p for p in checkpoint_paths(run_dir, fs) if posixpath.basename(p) < name])]
+    older = [path for step, path in reversed(checkpoint_dirs(run_dir, fs)) if step <= newest and path != latest]
+    return [latest, *older]
+
+
 def newest_checkpoint(
     run_dir: str, live_too: bool, fs: Any = None, damaged: list[tuple[str, str]] | None = None
 ) -> tuple[int, str] | None:
@@ -271,14 +286,11 @@ def newest_checkpoint(
     Each damaged one passed over is appended to `damaged` as (path, why) when given. None when none is intact."""
     candidates: list[tuple[int, int, str]] = []  # (step, 1 for the restart path's: first at a tie, path)
     latest = latest_committed_path(run_dir, fs)
-    if latest is not None:
+    for path in restore_candidates(latest, fs) if latest is not None else []:
         try:
-            newest = read_step(latest, fs)
-            restart = [(step, path) for step, path in checkpoint_dirs(run_dir, fs) if step <= newest]
-        except (OSError, ValueError):  # the latest's state is lost: those written before it, as Ray names them
-            name = posixpath.basename(latest.rstrip("/"))
-            restart = [(s, p) for s, p in checkpoint_dirs(run_dir, fs) if posixpath.basename(p) < name]
-        candidates += [(step, 1, path) for step, path in restart]
+            candidates.append((read_step(path, fs), 1, path))
+        except (OSError, ValueError):
+            continue  # its state is lost: nothing to resume from there
     if live_too:
         candidates += [(step, 0, path) for step, path in live_checkpoints(run_dir)]
     for step, _, path in sorted(candidates, reverse=True):

@@ -26,7 +26,12 @@ from raytrain import faults
 from raytrain.agreement import AgreementClock
 from raytrain.batch_plan import BatchPlan
 from raytrain.checkpoint import PendingSave, TrainState, checkpoint_group, finish_save, load_checkpoint, start_save
-from raytrain.checkpoint_files import checkpoint_dirs, checkpoint_paths, read_step, remove_uncommitted, verify
+from raytrain.checkpoint_files import (
+    read_step,
+    remove_uncommitted,
+    restore_candidates,
+    verify,
+)
 from raytrain.collectives import all_gather_objects, all_reduce_sum
 from raytrain.config import TrainSpec
 from raytrain.data.id_ranges import IdRanges
@@ -200,21 +205,6 @@ def build_model(job: WorkerJob) -> tuple[nn.Module, InitTrace | None]:
 def _run_dir_of(checkpoint_path: str) -> str:
     """The run directory holding a checkpoint directory (Ray Train keeps them side by side)."""
     return posixpath.dirname(checkpoint_path.rstrip("/"))
-
-
-def restore_candidates(latest: str, fs: Any = None) -> list[str]:
-    """The checkpoint directories to try, newest first: Ray's latest committed one, then the older ones of its run
-    directory (never a newer one: written after the latest commit, it was never committed). Older means a lower
-    step; when the latest's own state is gone (its file or its whole directory lost), older means written before
-    it, as Ray Train's time-stamped names tell. Paths on the pyarrow filesystem `fs` (None: local)."""
-    run_dir = _run_dir_of(latest)
-    try:
-        newest = read_step(latest, fs)
-    except (OSError, ValueError):
-        name = posixpath.basename(latest.rstrip("/"))
-        return [latest, *reversed([p for p in checkpoint_paths(run_dir, fs) if posixpath.basename(p) < name])]
-    older = [path for step, path in reversed(checkpoint_dirs(run_dir, fs)) if step <= newest and path != latest]
-    return [latest, *older]
 
 
 def _intact_since(checkpoint: Any, step: int) -> bool:
